@@ -1,0 +1,209 @@
+"""Paged K/V storage: one key and one value array per layer, addressed by slot.
+
+Slot ``s`` of page ``p`` is row ``p * page_size + s`` of every layer's arrays, laid
+out ``(slots, kv_heads, head_dim)`` so a page's rows are contiguous for scatter and
+gather. Writes go in place only while nothing else in the same lazy graph still
+reads the old array (DESIGN.md section 4): callers write first, then read from the
+updated array, and nothing here keeps a second reference to a layer's array.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from .allocator import OutOfPages, PageAllocator
+from .budget import DeviceMemory, device_memory, pool_budget_bytes
+
+
+class UnsupportedModel(Exception):
+    """The model's cache layout cannot live in the pool; ``str()`` says why."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    window: int | None = None  # sliding-window size; None for full attention
+
+    def bytes_per_token(self, dtype: mx.Dtype) -> int:
+        return self.kv_heads * (self.k_head_dim + self.v_head_dim) * dtype.size
+
+
+class _ProbeCache:
+    """Records the K/V shapes and dtype a layer produces; the graph is never evaluated."""
+
+    def __init__(self):
+        self.offset = 0
+        self.seen = None
+
+    def update_and_fetch(self, keys, values):
+        self.seen = (keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        return keys, values
+
+    def make_mask(self, *args, **kwargs):
+        return None
+
+
+def inspect_model(model: nn.Module) -> tuple[list[LayerSpec], mx.Dtype]:
+    """Per-layer K/V geometry and the KV dtype, read off one lazy forward pass.
+
+    The dtype is the activations' (never a quantized weight's packed integer type),
+    since it is what the attention layers actually hand to their cache.
+    """
+    windows = []
+    for i, c in enumerate(make_prompt_cache(model)):
+        if type(c) is KVCache:
+            windows.append(None)
+        elif type(c) is RotatingKVCache and c.keep == 0:
+            windows.append(c.max_size)
+        else:
+            raise UnsupportedModel(
+                f"layer {i} uses {type(c).__name__}"
+                + (f"(keep={c.keep})" if isinstance(c, RotatingKVCache) else "")
+                + "; the radix pool holds plain and sliding-window attention K/V only"
+            )
+    probes = [_ProbeCache() for _ in windows]
+    model(mx.array([[0]], dtype=mx.int32), cache=probes)
+    specs, dtypes = [], set()
+    for i, (p, w) in enumerate(zip(probes, windows)):
+        if p.seen is None:
+            raise UnsupportedModel(f"layer {i} never wrote to its cache")
+        heads, dk, dv, dtype = p.seen
+        specs.append(LayerSpec(heads, dk, dv, w))
+        dtypes.add(dtype)
+    if len(dtypes) != 1:
+        raise UnsupportedModel(f"layers produce K/V of several dtypes: {sorted(map(str, dtypes))}")
+    return specs, dtypes.pop()
+
+
+def model_nbytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+class KVPool:
+    def __init__(self, specs: list[LayerSpec], num_pages: int, page_size: int, dtype: mx.Dtype):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.specs = specs
+        self.page_size = page_size
+        self.dtype = dtype
+        self.allocator = PageAllocator(num_pages)
+        slots = num_pages * page_size
+        self.keys = [mx.zeros((slots, s.kv_heads, s.k_head_dim), dtype) for s in specs]
+        self.values = [mx.zeros((slots, s.kv_heads, s.v_head_dim), dtype) for s in specs]
+        mx.eval(self.keys, self.values)
+        # Called with a page count when the free list runs short; returns pages it freed.
+        self.reclaim: Callable[[int], int] | None = None
+        # Releases queued by finalizers of dropped page tables; run on the owner's thread.
+        self._deferred: deque[Callable[[], None]] = deque()
+
+    @classmethod
+    def for_model(
+        cls,
+        model: nn.Module,
+        *,
+        page_size: int = 16,
+        pool_tokens: int | None = None,
+        mem_fraction: float = 0.4,
+        memory: DeviceMemory | None = None,
+    ) -> KVPool:
+        """A pool for ``model``: ``pool_tokens`` if given, else sized from device memory."""
+        specs, dtype = inspect_model(model)
+        per_token = sum(s.bytes_per_token(dtype) for s in specs)
+        if pool_tokens is None:
+            memory = memory or device_memory()
+            budget = pool_budget_bytes(mem_fraction, model_nbytes(model), memory)
+            pool_tokens = budget // per_token
+            if pool_tokens < page_size:
+                raise OutOfPages(
+                    f"no room for a KV pool: {memory.usable_bytes / 2**30:.2f} GiB usable "
+                    f"({memory.source}) x mem_fraction {mem_fraction} leaves "
+                    f"{budget / 2**30:.2f} GiB after the model; raise mem_fraction or set "
+                    "pool_tokens"
+                )
+        if pool_tokens < page_size:
+            raise ValueError(f"pool_tokens must be >= page_size ({page_size}), got {pool_tokens}")
+        return cls(specs, pool_tokens // page_size, page_size, dtype)
+
+    # -- accounting --------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.specs)
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(s.bytes_per_token(self.dtype) for s in self.specs)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    @property
+    def used_bytes(self) -> int:
+        self.run_deferred()
+        return self.allocator.num_used * self.bytes_per_page
+
+    # -- pages -------------------------------------------------------------------
+
+    def defer(self, release: Callable[[], None]) -> None:
+        self._deferred.append(release)
+
+    def run_deferred(self) -> None:
+        while self._deferred:
+            self._deferred.popleft()()
+
+    def alloc_pages(self, n: int) -> list[int]:
+        self.run_deferred()
+        short = n - self.allocator.num_free
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short)
+        return self.allocator.alloc(n)
+
+    def release_pages(self, pages: Iterable[int]) -> None:
+        self.allocator.decref(pages)
+
+    def slots_of(self, pages: list[int]) -> mx.array:
+        ps = self.page_size
+        return (mx.array(pages, dtype=mx.int32)[:, None] * ps + mx.arange(ps, dtype=mx.int32)).reshape(-1)
+
+    # -- data --------------------------------------------------------------------
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store ``(1, heads, S, dim)`` K/V at ``S`` slots."""
+        self.keys[layer][slots] = keys[0].transpose(1, 0, 2)
+        self.values[layer][slots] = values[0].transpose(1, 0, 2)
+
+    def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """K/V at ``slots`` as ``(1, heads, L, dim)``, the layout attention expects."""
+        k = self.keys[layer][slots].transpose(1, 0, 2)[None]
+        v = self.values[layer][slots].transpose(1, 0, 2)[None]
+        return k, v
+
+    def copy(self, src: mx.array, dst: mx.array) -> None:
+        """Copy slots ``src`` to ``dst`` in every layer.
+
+        The gathered rows are evaluated before the scatter so that the scatter is
+        the only reader of each layer's array and can update it in place.
+        """
+        rows = [(self.keys[i][src], self.values[i][src]) for i in range(self.num_layers)]
+        mx.eval(rows)
+        for i, (k, v) in enumerate(rows):
+            self.keys[i][dst] = k
+            self.values[i][dst] = v

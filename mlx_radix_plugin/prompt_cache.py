@@ -1,0 +1,200 @@
+"""``RadixPromptCache``: what mlx_lm.server expects of its ``LRUPromptCache``, backed
+by the radix tree and the KV pool.
+
+Stock mlx-lm stores one private snapshot per prompt and deep-copies it on every
+hit. Here a hit locks the cached pages and hands out ``PoolBackedCache`` views of
+them: no K/V is copied, and a prefix shared by many prompts is stored once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+
+from .caches import PageTable, PoolBackedCache
+from .pool import KVPool
+from .radix_tree import RadixTree, TreeNode
+
+
+@dataclass
+class CacheCounters:
+    hits: int = 0
+    misses: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    evictions: int = 0  # pages dropped from the tree to make room
+
+
+class RadixPromptCache:
+    def __init__(self, pool: KVPool, *, eviction: str = "lru"):
+        self.pool = pool
+        self.tree = RadixTree(page_size=pool.page_size, policy=eviction)
+        self.counters = CacheCounters()
+        pool.reclaim = self._reclaim
+
+    # -- the LRUPromptCache interface ---------------------------------------------
+
+    def __len__(self) -> int:
+        return self.tree.num_sequences
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages the tree holds (each shared page once)."""
+        return self.tree.total_pages * self.pool.bytes_per_page
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        return {"radix": {"n_sequences": len(self), "n_bytes": self.nbytes}}
+
+    def fetch_nearest_cache(
+        self, model_key: Hashable, tokens: Sequence[int]
+    ) -> tuple[list[PoolBackedCache], list[int]]:
+        """Caches holding the longest cached prefix of ``tokens``, and the tokens left.
+
+        At least one token is always left to prefill: the model must run on the
+        last prompt token to produce the first output's logits (mlx-lm 0.32.2's own
+        cache returns an empty remainder on an exact match and its batch path dies).
+        """
+        self.pool.run_deferred()
+        tokens = list(tokens)
+        match = self.tree.match_prefix(model_key, tokens[:-1])
+        self.tree.lock(match.node)
+        self.pool.allocator.incref(match.pages)
+        table = PageTable(
+            self.pool, match.pages, match.length, unlock=partial(self._unlock, match.node)
+        )
+        n = match.length
+        if match.partial_len:
+            n = self._copy_partial(table, match.partial_page, n, match.partial_len)
+        c = self.counters
+        c.prompt_tokens += len(tokens)
+        c.cached_tokens += n
+        if n:
+            c.hits += 1
+        else:
+            c.misses += 1
+        caches = [PoolBackedCache(table, i, offset=n) for i in range(self.pool.num_layers)]
+        return caches, tokens[n:]
+
+    def insert_cache(
+        self,
+        model_key: Hashable,
+        tokens: Sequence[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        """Commit the whole pages of ``prompt_cache`` under ``tokens``.
+
+        Our own caches are committed without a copy; the request's references and
+        lock are dropped, and pages that duplicate cached ones are freed. mlx-lm's
+        ``KVCache`` (the stock batch path) is copied into pages once. ``cache_type``
+        is accepted for interface parity: the tree treats all prefixes alike.
+        """
+        self.pool.run_deferred()
+        if not prompt_cache:
+            return
+        first = prompt_cache[0]
+        if isinstance(first, PoolBackedCache) and first.table.pool is self.pool:
+            table = first.table
+            if table.released or any(getattr(c, "table", None) is not table for c in prompt_cache):
+                return
+            n = min(min(c.offset for c in prompt_cache), len(tokens))
+            self._commit(model_key, tokens, table, n)
+            table.release()
+        elif self._ingestible(prompt_cache):
+            self._ingest(model_key, tokens, prompt_cache)
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        self.pool.run_deferred()
+        if n_bytes is not None:
+            keep = max(0, n_bytes) // self.pool.bytes_per_page
+            if self.tree.total_pages > keep:
+                self._evict(self.tree.total_pages - keep)
+        if n_sequences is not None:
+            while len(self) > max(0, n_sequences) and self._evict(1):
+                pass
+
+    # -- accounting ----------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        self.pool.run_deferred()
+        alloc = self.pool.allocator
+        evictable = self.tree.evictable_pages
+        return {
+            **asdict(self.counters),
+            "pool_bytes_used": alloc.num_used * self.pool.bytes_per_page,
+            "pool_bytes_total": self.pool.nbytes,
+            "pages_total": alloc.num_pages,
+            "pages_free": alloc.num_free,
+            "pages_locked": alloc.num_used - evictable,
+            "pages_evictable": evictable,
+            "page_size": self.pool.page_size,
+            "cached_sequences": len(self),
+        }
+
+    # -- internals -----------------------------------------------------------------
+
+    def _unlock(self, node: TreeNode) -> None:
+        self.tree.unlock(node)
+
+    def _evict(self, num_pages: int) -> int:
+        dropped = self.tree.evict(num_pages)
+        self.counters.evictions += len(dropped)
+        return len(self.pool.allocator.decref(dropped)) if dropped else 0
+
+    def _reclaim(self, num_pages: int) -> int:
+        return self._evict(num_pages)
+
+    def _copy_partial(self, table: PageTable, src_page: int, start: int, length: int) -> int:
+        """Copy the first ``length`` slots of a cached page into a page of the request."""
+        alloc = self.pool.allocator
+        alloc.incref([src_page])  # eviction inside alloc_pages must not recycle it
+        try:
+            (page,) = self.pool.alloc_pages(1)
+        finally:
+            alloc.decref([src_page])
+        ps = self.pool.page_size
+        idx = mx.arange(length, dtype=mx.int32)
+        self.pool.copy(src_page * ps + idx, page * ps + idx)
+        table.pages.append(page)
+        return start + length
+
+    def _commit(self, model_key: Hashable, tokens: Sequence[int], table: PageTable, n: int) -> None:
+        full = n // self.pool.page_size
+        if full == 0:
+            return
+        pages = table.pages[:full]
+        cached = self.tree.insert(model_key, list(tokens[: full * self.pool.page_size]), pages)
+        # The tree takes its own reference to the pages it did not have.
+        self.pool.allocator.incref(pages[cached // self.pool.page_size :])
+
+    def _ingestible(self, prompt_cache: list[Any]) -> bool:
+        return (
+            len(prompt_cache) == self.pool.num_layers
+            and all(s.window is None for s in self.pool.specs)
+            and all(type(c).__name__ in ("KVCache", "ContiguousKVCache") for c in prompt_cache)
+            and all(c.keys is not None and c.keys.shape[0] == 1 for c in prompt_cache)
+        )
+
+    def _ingest(self, model_key: Hashable, tokens: Sequence[int], prompt_cache: list[Any]) -> None:
+        """Copy a stock cache's K/V into new pages for the part the tree lacks."""
+        ps = self.pool.page_size
+        n = min(min(c.offset for c in prompt_cache), len(tokens))
+        full = n // ps
+        match = self.tree.match_prefix(model_key, list(tokens[: full * ps]))
+        if match.length == full * ps:
+            return
+        self.tree.lock(match.node)
+        try:
+            pages = self.pool.alloc_pages(full - match.length // ps)
+        finally:
+            self.tree.unlock(match.node)
+        slots = self.pool.slots_of(pages)
+        lo, hi = match.length, full * ps
+        for i, c in enumerate(prompt_cache):
+            self.pool.write(i, slots, c.keys[..., lo:hi, :], c.values[..., lo:hi, :])
+        self.tree.insert(model_key, list(tokens[:hi]), match.pages + pages)

@@ -1,0 +1,33 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Nothing in the suite may reach a model hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import ARCHS, build_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def loaded(model_dirs):
+    """``loaded(arch) -> (model, tokenizer)``, each loaded once per session."""
+    from mlx_lm import load
+
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = load(str(model_dirs[arch]))
+        return cache[arch]
+
+    return get

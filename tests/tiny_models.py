@@ -1,0 +1,114 @@
+"""Tiny random-weight float32 model directories, built offline.
+
+Each directory has config.json, model.safetensors and a byte-level BPE tokenizer
+trained here by the ``tokenizers`` library, so ``mlx_lm.load`` and
+``mlx_lm.server`` load it like any model from the hub, without the hub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+VOCAB = 512
+SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "You are a helpful assistant. Answer the question briefly and politely.",
+    "Radix trees share prefixes; pages hold keys and values for attention layers.",
+    "Once upon a time there was a small model that learned to count: 1 2 3 4 5 6 7 8 9 10.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Caching the system prompt saves time to first token for every request.",
+]
+
+_BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=VOCAB,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+# Default init leaves the residual stream dominated by the current token's embedding and
+# the output repeats one token. Larger projections make every token depend on its context,
+# so a cache bug shows up as different text.
+PROJECTION_SCALE = 3.0
+
+CONFIGS: dict[str, dict] = {
+    "llama": dict(_BASE, model_type="llama", num_hidden_layers=2),
+    "mistral": dict(_BASE, model_type="mistral", num_hidden_layers=2),
+    "qwen2": dict(_BASE, model_type="qwen2", num_hidden_layers=2),
+    "qwen3": dict(_BASE, model_type="qwen3", num_hidden_layers=2, head_dim=16),
+    # Sliding layers 0 and 2 see 8 tokens; the test prompts are longer than that.
+    "gemma3_text": dict(
+        _BASE,
+        model_type="gemma3_text",
+        num_hidden_layers=4,
+        head_dim=16,
+        num_key_value_heads=1,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        rope_local_base_freq=10000.0,
+    ),
+}
+ARCHS = tuple(CONFIGS)
+
+
+def build_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "add_bos_token": False,
+                "model_max_length": 2048,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+
+
+def build_model(arch: str, path: Path, seed: int = 0) -> Path:
+    """Write a loadable model directory for ``arch`` at ``path``."""
+    from mlx_lm.utils import _get_classes
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(CONFIGS[arch], eos_token_id=SPECIALS.index("</s>"), torch_dtype="float32")
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    weights = {
+        k: v * PROJECTION_SCALE if k.endswith("weight") and ("proj" in k or "lm_head" in k) else v
+        for k, v in tree_flatten(model.parameters())
+    }
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config))
+    build_tokenizer(path)
+    return path
