@@ -253,9 +253,7 @@ class PoolBackedCache(_BaseCache):
         return pool.read(self.layer, table.slots(self._key_start(start), end))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return window_mask(
-            N, self.offset, self._key_start(self.offset), window_size, return_array
-        )
+        return window_mask(N, self.offset, self._key_start(self.offset), window_size, return_array)
 
     def _history(self) -> tuple[mx.array, mx.array]:
         # A windowed layer keeps its last `window` tokens, as mlx-lm's RotatingKVCache does.

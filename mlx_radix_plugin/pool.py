@@ -181,7 +181,9 @@ class KVPool:
 
     def slots_of(self, pages: list[int]) -> mx.array:
         ps = self.page_size
-        return (mx.array(pages, dtype=mx.int32)[:, None] * ps + mx.arange(ps, dtype=mx.int32)).reshape(-1)
+        return (
+            mx.array(pages, dtype=mx.int32)[:, None] * ps + mx.arange(ps, dtype=mx.int32)
+        ).reshape(-1)
 
     # -- data --------------------------------------------------------------------
 

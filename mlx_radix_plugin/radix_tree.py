@@ -36,7 +36,9 @@ class TreeNode:
         return self.parent is None
 
     def __repr__(self) -> str:
-        return f"TreeNode(pages={self.pages}, lock_ref={self.lock_ref}, children={len(self.children)})"
+        return (
+            f"TreeNode(pages={self.pages}, lock_ref={self.lock_ref}, children={len(self.children)})"
+        )
 
 
 @dataclass

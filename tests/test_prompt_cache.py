@@ -1,0 +1,162 @@
+"""RadixPromptCache: the LRUPromptCache interface over the tree and the pool."""
+
+import gc
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from test_generation import KEY, generate
+
+from mlx_radix_plugin import KVPool, RadixPromptCache
+from mlx_radix_plugin.allocator import OutOfPages
+
+PS = 4
+
+
+@pytest.fixture
+def llama(loaded):
+    return loaded("llama")
+
+
+def radix(model, pool_tokens=1024, **kw):
+    return RadixPromptCache(KVPool.for_model(model, page_size=PS, pool_tokens=pool_tokens), **kw)
+
+
+def serve(rpc, model, tokenizer, prompt, key=KEY):
+    cache, rest = rpc.fetch_nearest_cache(key, prompt)
+    out = generate(model, tokenizer, rest, cache)
+    rpc.insert_cache(key, prompt + out, cache)
+    return len(prompt) - len(rest)
+
+
+def balanced(stats):
+    return (
+        stats["pages_free"] + stats["pages_locked"] + stats["pages_evictable"]
+        == stats["pages_total"]
+    )
+
+
+def test_exact_match_always_leaves_one_token(llama):
+    model, tok = llama
+    rpc = radix(model)
+    prompt = list(range(10, 10 + 4 * PS))  # page aligned: every page of it gets cached
+    cache, rest = rpc.fetch_nearest_cache(KEY, prompt)
+    generate(model, tok, rest, cache)
+    rpc.insert_cache(KEY, prompt, cache)
+    for _ in range(3):
+        cache, rest = rpc.fetch_nearest_cache(KEY, prompt)
+        assert rest == prompt[-1:]
+        assert all(c.offset == len(prompt) - 1 for c in cache)
+        del cache
+
+
+def test_model_keys_never_share_prefixes(llama):
+    model, tok = llama
+    rpc = radix(model)
+    prompt = tok.encode("You are a helpful assistant. Answer the question.")
+    serve(rpc, model, tok, prompt, key=("model-a", None, None))
+    _, rest = rpc.fetch_nearest_cache(("model-a", "adapter", None), prompt)
+    assert rest == prompt
+    _, rest = rpc.fetch_nearest_cache(("model-a", None, None), prompt)
+    assert len(rest) < len(prompt)
+
+
+def test_mid_page_divergence_copies_only_the_partial_page(llama):
+    model, tok = llama
+    rpc = radix(model)
+    prompt = list(range(100, 100 + 5 * PS))
+    serve(rpc, model, tok, prompt)
+    other = prompt[: 2 * PS + 3] + [7, 8, 9, 11]
+    cache, rest = rpc.fetch_nearest_cache(KEY, other)
+    table = cache[0].table
+    assert rest == [7, 8, 9, 11]
+    assert table.shared_tokens == 2 * PS  # two pages shared in place, read without a copy
+    assert len(table.pages) == 3  # plus one private page holding the copied 3 tokens
+    assert mx.array_equal(rpc.pool.read(0, table.slots(0, 2 * PS + 3))[0], cache[0].state[0]).item()
+
+
+def test_dropped_caches_release_their_locks(llama):
+    model, tok = llama
+    rpc = radix(model)
+    prompt = list(range(50, 50 + 6 * PS))
+    serve(rpc, model, tok, prompt)
+    cache, _ = rpc.fetch_nearest_cache(KEY, prompt + [1, 2, 3])
+    assert rpc.stats()["pages_locked"] == 6
+    cache[0].update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
+    del cache  # a client disconnect: the server drops the cache without inserting it
+    gc.collect()
+    stats = rpc.stats()
+    assert stats["pages_locked"] == 0 and balanced(stats)
+    assert stats["pages_evictable"] == rpc.tree.total_pages
+
+
+def test_eviction_keeps_serving_under_pressure(llama):
+    model, tok = llama
+    rpc = radix(model, pool_tokens=16 * PS)  # room for about two requests at a time
+    for i in range(12):
+        prompt = [(i * 31 + j) % 400 + 20 for j in range(5 * PS)]
+        for attempt in range(2):
+            cache, rest = rpc.fetch_nearest_cache(KEY, prompt)
+            assert (len(rest) < len(prompt)) == (attempt == 1)
+            out = generate(model, tok, rest, cache)
+            assert out == generate(model, tok, prompt)
+            rpc.insert_cache(KEY, prompt + out, cache)
+            stats = rpc.stats()
+            assert balanced(stats) and stats["pages_locked"] == 0
+    assert rpc.counters.evictions > 0 and rpc.counters.hits == 12
+
+
+def test_prompt_larger_than_the_pool_fails_clearly(llama):
+    model, tok = llama
+    rpc = radix(model, pool_tokens=4 * PS)
+    cache, rest = rpc.fetch_nearest_cache(KEY, list(range(10, 60)))
+    with pytest.raises(OutOfPages, match=r"asked for \d+ pages, 4 of 4 free"):
+        generate(model, tok, rest, cache)
+    del cache
+    assert rpc.stats()["pages_free"] == 4
+
+
+def test_trim_to_evicts_unlocked_sequences(llama):
+    model, tok = llama
+    rpc = radix(model)
+    for i in range(3):
+        serve(rpc, model, tok, [i + 1] + list(range(200, 200 + 3 * PS)))
+    assert len(rpc) == 3
+    assert rpc.stats_by_type() == {"radix": {"n_sequences": 3, "n_bytes": rpc.nbytes}}
+    held, _ = rpc.fetch_nearest_cache(KEY, [1] + list(range(200, 200 + 3 * PS)))
+    rpc.trim_to(n_sequences=1)
+    assert len(rpc) == 1
+    rpc.trim_to(n_bytes=0)
+    assert rpc.nbytes == rpc.stats()["pages_locked"] * rpc.pool.bytes_per_page > 0
+    del held
+    rpc.trim_to(n_bytes=0)
+    assert rpc.nbytes == 0 and len(rpc) == 0
+
+
+def test_stock_kvcache_is_ingested_once_then_shared(llama):
+    model, tok = llama
+    rpc = radix(model)
+    prompt = tok.encode("Paris is the capital of France. Berlin is the capital of Germany.")
+    stock = make_prompt_cache(model)
+    out = generate(model, tok, prompt, stock)
+    rpc.insert_cache(KEY, prompt + out, stock)
+    cached = (len(prompt) + len(out)) // PS * PS
+    assert rpc.tree.total_pages * PS == cached
+    longer = prompt + out + tok.encode(" Rome")
+    cache, rest = rpc.fetch_nearest_cache(KEY, longer)
+    assert len(longer) - len(rest) == cached
+    assert generate(model, tok, rest, cache) == generate(model, tok, longer)
+
+
+def test_counters_and_stats(llama):
+    model, tok = llama
+    rpc = radix(model)
+    prompt = list(range(300, 300 + 3 * PS))
+    serve(rpc, model, tok, prompt)
+    serve(rpc, model, tok, prompt + [5, 6])
+    s = rpc.stats()
+    assert (s["hits"], s["misses"]) == (1, 1)
+    assert s["prompt_tokens"] == 2 * len(prompt) + 2
+    assert s["cached_tokens"] == len(prompt)
+    assert s["pool_bytes_used"] == rpc.pool.allocator.num_used * rpc.pool.bytes_per_page
+    assert s["pool_bytes_total"] == rpc.pool.nbytes and balanced(s)
