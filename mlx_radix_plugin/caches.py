@@ -54,7 +54,22 @@ def window_mask(
     return mask
 
 
-class ContiguousKVCache(_BaseCache):
+class _OffsetTrim(_BaseCache):
+    """Trimming by moving the offset back: later writes overwrite what was cut."""
+
+    def size(self) -> int:
+        return self.offset
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+
+class ContiguousKVCache(_OffsetTrim):
     """Private K/V of one request in a buffer that doubles when full."""
 
     def __init__(self, capacity: int = 256):
@@ -103,19 +118,8 @@ class ContiguousKVCache(_BaseCache):
             self.offset = self.keys.shape[2]
         self.capacity = max(self.offset, 1)
 
-    def size(self) -> int:
-        return self.offset
-
     def empty(self) -> bool:
         return self.keys is None
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return create_attention_mask(
@@ -230,7 +234,7 @@ class PageTable:
         self._changed()
 
 
-class PoolBackedCache(_BaseCache):
+class PoolBackedCache(_OffsetTrim):
     """Layer ``layer`` of a request whose K/V live in ``table``'s pool pages."""
 
     def __init__(self, table: PageTable, layer: int, offset: int = 0):
@@ -287,19 +291,8 @@ class PoolBackedCache(_BaseCache):
                 c._idx = c.keys.shape[2]
         return c
 
-    def size(self) -> int:
-        return self.offset
-
     def empty(self) -> bool:
         return self.offset == 0
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
 
     @property
     def nbytes(self) -> int:

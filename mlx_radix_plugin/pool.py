@@ -193,9 +193,13 @@ class KVPool:
         self.values[layer][slots] = values[0].transpose(1, 0, 2)
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """K/V at ``slots`` as ``(1, heads, L, dim)``, the layout attention expects."""
-        k = self.keys[layer][slots].transpose(1, 0, 2)[None]
-        v = self.values[layer][slots].transpose(1, 0, 2)[None]
+        """K/V at ``slots`` as contiguous ``(1, heads, L, dim)``, the layout attention expects.
+
+        Made contiguous here: on the CPU, attention over the strided transpose is ~2.5x
+        slower than the copy (0.2 ms vs 1.2 ms extra per layer at 1k tokens, 3 KV heads).
+        """
+        k = mx.contiguous(self.keys[layer][slots].transpose(1, 0, 2))[None]
+        v = mx.contiguous(self.values[layer][slots].transpose(1, 0, 2))[None]
         return k, v
 
     def copy(self, src: mx.array, dst: mx.array) -> None:

@@ -43,6 +43,16 @@ def attend(q, keys, values, mask):
 STEPS = [5, 1, 1, 7, 1]  # prefill, decode, decode, a chunk, decode
 
 
+def step_against(ours, stock, n, seed):
+    """One update of both caches: same masks before it, same K/V and offset after it."""
+    for ra in (False, True):
+        assert same_mask(mask(ours, n, ra), mask(stock, n, ra))
+    k, v = kv(n, seed)
+    for a, b in zip(ours.update_and_fetch(k, v), stock.update_and_fetch(k, v)):
+        assert same(a, b)
+    assert ours.offset == stock.offset == ours.size()
+
+
 # -- ContiguousKVCache ---------------------------------------------------------------
 
 
@@ -50,12 +60,7 @@ def test_contiguous_matches_kvcache_and_grows_by_doubling():
     ours, stock = ContiguousKVCache(capacity=4), KVCache()
     sizes = []
     for i, n in enumerate(STEPS):
-        for ra in (False, True):
-            assert same_mask(mask(ours, n, ra), mask(stock, n, ra))
-        k, v = kv(n, i)
-        for a, b in zip(ours.update_and_fetch(k, v), stock.update_and_fetch(k, v)):
-            assert same(a, b)
-        assert ours.offset == stock.offset == ours.size()
+        step_against(ours, stock, n, i)
         sizes.append(ours.keys.shape[2])
     assert sizes == [8, 8, 8, 16, 16]
     assert ours.nbytes == 2 * 16 * H * D * 4
@@ -96,12 +101,7 @@ def test_pool_backed_full_layer_matches_kvcache():
     table = PageTable(pool)
     ours, stock = PoolBackedCache(table, 0), KVCache()
     for i, n in enumerate(STEPS):
-        for ra in (False, True):
-            assert same_mask(mask(ours, n, ra), mask(stock, n, ra))
-        k, v = kv(n, i)
-        for a, b in zip(ours.update_and_fetch(k, v), stock.update_and_fetch(k, v)):
-            assert same(a, b)
-        assert ours.offset == stock.offset
+        step_against(ours, stock, n, i)
     total = sum(STEPS)
     assert len(table.pages) == -(-total // PS)
     assert ours.nbytes == total * H * 2 * D * 4
