@@ -9,6 +9,7 @@ updated array, and nothing here keeps a second reference to a layer's array.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -88,6 +89,26 @@ def model_nbytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+def plan_pool_tokens(
+    bytes_per_token: int,
+    *,
+    page_size: int,
+    mem_fraction: float,
+    model_bytes: int,
+    memory: DeviceMemory,
+) -> int:
+    """Tokens the pool gets from ``memory``: whole pages, at least one."""
+    budget = pool_budget_bytes(mem_fraction, model_bytes, memory)
+    pages = budget // bytes_per_token // page_size
+    if pages < 1:
+        raise OutOfPages(
+            f"no room for a KV pool: {memory.usable_bytes / 2**30:.2f} GiB usable "
+            f"({memory.source}) x mem_fraction {mem_fraction} leaves "
+            f"{budget / 2**30:.2f} GiB after the model; raise mem_fraction or set pool_tokens"
+        )
+    return pages * page_size
+
+
 class KVPool:
     def __init__(self, specs: list[LayerSpec], num_pages: int, page_size: int, dtype: mx.Dtype):
         if page_size < 1:
@@ -102,8 +123,12 @@ class KVPool:
         mx.eval(self.keys, self.values)
         # Called with a page count when the free list runs short; returns pages it freed.
         self.reclaim: Callable[[int], int] | None = None
-        # Releases queued by finalizers of dropped page tables; run on the owner's thread.
+        # Releases queued by finalizers of dropped page tables, run under the lock later:
+        # a finalizer may fire on any thread, in the middle of anything.
         self._deferred: deque[Callable[[], None]] = deque()
+        # Guards the allocator and whatever owns the pages (the radix tree): the
+        # generation thread allocates while HTTP threads read statistics.
+        self.lock = threading.RLock()
 
     @classmethod
     def for_model(
@@ -117,18 +142,15 @@ class KVPool:
     ) -> KVPool:
         """A pool for ``model``: ``pool_tokens`` if given, else sized from device memory."""
         specs, dtype = inspect_model(model)
-        per_token = sum(s.bytes_per_token(dtype) for s in specs)
         if pool_tokens is None:
-            memory = memory or device_memory()
-            budget = pool_budget_bytes(mem_fraction, model_nbytes(model), memory)
-            pool_tokens = budget // per_token
-            if pool_tokens < page_size:
-                raise OutOfPages(
-                    f"no room for a KV pool: {memory.usable_bytes / 2**30:.2f} GiB usable "
-                    f"({memory.source}) x mem_fraction {mem_fraction} leaves "
-                    f"{budget / 2**30:.2f} GiB after the model; raise mem_fraction or set "
-                    "pool_tokens"
-                )
+            per_token = sum(s.bytes_per_token(dtype) for s in specs)
+            pool_tokens = plan_pool_tokens(
+                per_token,
+                page_size=page_size,
+                mem_fraction=mem_fraction,
+                model_bytes=model_nbytes(model),
+                memory=memory or device_memory(),
+            )
         if pool_tokens < page_size:
             raise ValueError(f"pool_tokens must be >= page_size ({page_size}), got {pool_tokens}")
         return cls(specs, pool_tokens // page_size, page_size, dtype)
@@ -166,18 +188,21 @@ class KVPool:
         self._deferred.append(release)
 
     def run_deferred(self) -> None:
-        while self._deferred:
-            self._deferred.popleft()()
+        with self.lock:
+            while self._deferred:
+                self._deferred.popleft()()
 
     def alloc_pages(self, n: int) -> list[int]:
-        self.run_deferred()
-        short = n - self.allocator.num_free
-        if short > 0 and self.reclaim is not None:
-            self.reclaim(short)
-        return self.allocator.alloc(n)
+        with self.lock:
+            self.run_deferred()
+            short = n - self.allocator.num_free
+            if short > 0 and self.reclaim is not None:
+                self.reclaim(short)
+            return self.allocator.alloc(n)
 
     def release_pages(self, pages: Iterable[int]) -> None:
-        self.allocator.decref(pages)
+        with self.lock:
+            self.allocator.decref(pages)
 
     def slots_of(self, pages: list[int]) -> mx.array:
         ps = self.page_size

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import partial, wraps
 from typing import Any
 
 import mlx.core as mx
@@ -18,6 +18,18 @@ import mlx.core as mx
 from .caches import PageTable, PoolBackedCache
 from .pool import KVPool
 from .radix_tree import RadixTree, TreeNode
+
+
+def _locked(method):
+    """Run under the pool's lock, after the releases that dropped caches queued."""
+
+    @wraps(method)
+    def run(self, *args, **kwargs):
+        with self.pool.lock:
+            self.pool.run_deferred()
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 @dataclass
@@ -49,6 +61,7 @@ class RadixPromptCache:
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         return {"radix": {"n_sequences": len(self), "n_bytes": self.nbytes}}
 
+    @_locked
     def fetch_nearest_cache(
         self, model_key: Hashable, tokens: Sequence[int]
     ) -> tuple[list[PoolBackedCache], list[int]]:
@@ -58,7 +71,6 @@ class RadixPromptCache:
         last prompt token to produce the first output's logits (mlx-lm 0.32.2's own
         cache returns an empty remainder on an exact match and its batch path dies).
         """
-        self.pool.run_deferred()
         tokens = list(tokens)
         match = self.tree.match_prefix(model_key, tokens[:-1])
         self.tree.lock(match.node)
@@ -79,6 +91,7 @@ class RadixPromptCache:
         caches = [PoolBackedCache(table, i, offset=n) for i in range(self.pool.num_layers)]
         return caches, tokens[n:]
 
+    @_locked
     def insert_cache(
         self,
         model_key: Hashable,
@@ -94,7 +107,6 @@ class RadixPromptCache:
         ``KVCache`` (the stock batch path) is copied into pages once. ``cache_type``
         is accepted for interface parity: the tree treats all prefixes alike.
         """
-        self.pool.run_deferred()
         if not prompt_cache:
             return
         first = prompt_cache[0]
@@ -108,8 +120,8 @@ class RadixPromptCache:
         elif self._ingestible(prompt_cache):
             self._ingest(model_key, tokens, prompt_cache)
 
+    @_locked
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
-        self.pool.run_deferred()
         if n_bytes is not None:
             keep = max(0, n_bytes) // self.pool.bytes_per_page
             if self.tree.total_pages > keep:
@@ -120,8 +132,8 @@ class RadixPromptCache:
 
     # -- accounting ----------------------------------------------------------------
 
+    @_locked
     def stats(self) -> dict[str, int]:
-        self.pool.run_deferred()
         alloc = self.pool.allocator
         evictable = self.tree.evictable_pages
         return {

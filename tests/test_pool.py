@@ -61,7 +61,7 @@ def test_pool_sized_from_device_memory(loaded):
     memory = DeviceMemory("cpu", 64 * 2**20, "test")
     pool = KVPool.for_model(model, page_size=16, mem_fraction=0.5, memory=memory)
     budget = 32 * 2**20 - model_nbytes(model)
-    assert pool.num_pages == budget // pool.bytes_per_token // 16
+    assert pool.num_pages == budget // pool.bytes_per_token // 16 > 0
     assert pool.nbytes == pool.num_pages * pool.bytes_per_page
     assert pool.used_bytes == 0
 

@@ -1,0 +1,232 @@
+"""``mlx-radix``: serve, config, plugins, doctor; plugins add commands through a hook."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+import click
+
+from .config import (
+    SETTINGS,
+    ConfigError,
+    default_config_path,
+    default_file_text,
+    load_config,
+    read_file,
+)
+
+SERVE_OPTIONS = {
+    # option name -> config key
+    "radix": "radix.enabled",
+    "batched_decode": "decode.batched",
+    "page_size": "radix.page_size",
+    "pool_tokens": "radix.pool_tokens",
+    "mem_fraction": "radix.mem_fraction",
+    "eviction": "radix.eviction",
+    "max_batch_size": "decode.max_batch_size",
+}
+
+
+def _config_or_exit(**kwargs):
+    try:
+        return load_config(**kwargs)
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+@click.group("mlx-radix")
+@click.version_option(package_name="mlx-radix")
+def cli():
+    """A shared radix KV-cache pool for mlx_lm.server."""
+
+
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    help="Run mlx_lm.server with the radix plugin. Every mlx_lm.server flag "
+    "(--model, --port, ...) is passed through; `mlx_lm.server --help` lists them.",
+)
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
+@click.option("--radix/--no-radix", default=None, help="Use the radix KV pool.")
+@click.option("--batched-decode/--no-batched-decode", default=None, help="Batch decoding.")
+@click.option("--page-size", type=int, help="Tokens per KV page.")
+@click.option("--pool-tokens", type=int, help="Pool size in tokens (0: from memory).")
+@click.option("--mem-fraction", type=float, help="Share of device memory for model + pool.")
+@click.option("--eviction", type=click.Choice(["lru", "lfu"]), help="Eviction policy.")
+@click.option("--max-batch-size", type=int, help="Most requests decoded together.")
+@click.option("--plugin", "plugins", multiple=True, help="Activate another plugin too.")
+@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
+def serve(config_file, plugins, server_args, **options):
+    from mlx_lm_hooks.plugins import UnknownPlugin
+    from mlx_lm_hooks.server import serve as run_server
+
+    from .plugin import plugin
+
+    overrides = {SERVE_OPTIONS[k]: v for k, v in options.items() if v is not None}
+    _config_or_exit(cli=overrides, path=config_file)  # fail before anything starts
+    plugin.configure(overrides, config_file)
+    try:
+        run_server(["radix", *plugins], list(server_args))
+    except UnknownPlugin as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+@cli.group()
+def config():
+    """Show, create and check configuration files."""
+
+
+@config.command("show")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
+def config_show(config_file, as_json):
+    """The effective configuration and where each value came from."""
+    cfg = _config_or_exit(path=config_file)
+    if as_json:
+        rows = {k: {"value": cfg[k], "source": cfg.sources[k]} for k in cfg.values}
+        click.echo(json.dumps(rows, indent=2))
+        return
+    width = max(len(k) for k in cfg.values)
+    for key, value in cfg.values.items():
+        click.echo(f"{key:<{width}}  {json.dumps(value):<8}  {cfg.sources[key]}")
+
+
+@config.command("init")
+@click.argument("path", required=False, type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+def config_init(path, force):
+    """Write a commented file of the defaults (default: the user config dir)."""
+    target = Path(path) if path else default_config_path()
+    if target.exists() and not force:
+        click.echo(f"error: {target} exists; --force overwrites it", err=True)
+        sys.exit(2)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(default_file_text())
+    click.echo(f"wrote {target}")
+
+
+@config.command("validate")
+@click.argument("path", type=click.Path(dir_okay=False))
+def config_validate(path):
+    """Check a file: exit 0 if valid, 2 with the problem otherwise."""
+    try:
+        values = read_file(Path(path))
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"{path}: ok ({len(values)} of {len(SETTINGS)} keys set)")
+
+
+@cli.command("plugins")
+def plugins_command():
+    """Installed mlx-lm plugins and their hooks, as JSON."""
+    from mlx_lm_hooks.plugins import describe
+
+    click.echo(json.dumps(describe(), indent=2))
+
+
+def _blas_note() -> str | None:
+    """On Linux, whether MLX's CPU backend runs on the slow bundled reference BLAS."""
+    if platform.system() != "Linux":
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    if "openblas" in maps.lower():
+        return "OpenBLAS is loaded: fast CPU matmuls"
+    return (
+        "MLX's CPU backend is using the slow bundled reference BLAS (~1.4 GFLOP/s). "
+        "Install libopenblas0-pthread and run with "
+        "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 (40-70x faster)"
+    )
+
+
+@cli.command()
+@click.option("--model", "model_path", help="Also check this model's architecture.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
+def doctor(model_path, config_file):
+    """MLX, backend, BLAS, memory, pool size, and whether a model takes the radix path."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from .budget import device_memory, pool_budget_bytes
+    from .plugin import MLX_LM_VERSION
+
+    cfg = _config_or_exit(path=config_file)
+    mem = device_memory()
+    report = {
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "mlx_lm_ok": mlx_lm.__version__ == MLX_LM_VERSION,
+        "backend": mem.backend,
+        "device": str(mx.default_device()),
+        "memory_usable_bytes": mem.usable_bytes,
+        "memory_source": mem.source,
+        "blas": _blas_note(),
+    }
+    frac = cfg["radix.mem_fraction"]
+    report["pool_budget_bytes_before_model"] = pool_budget_bytes(frac, 0, mem)
+    if model_path:
+        report.update(_model_report(model_path, cfg, mem))
+    width = max(map(len, report))
+    for k, v in report.items():
+        click.echo(f"{k:<{width}}  {v}")
+    if not report["mlx_lm_ok"]:
+        click.echo(f"mlx-radix needs mlx-lm=={MLX_LM_VERSION}", err=True)
+        sys.exit(1)
+
+
+def _model_report(model_path, cfg, mem) -> dict:
+    from mlx_lm import load
+
+    from .allocator import OutOfPages
+    from .pool import UnsupportedModel, inspect_model, model_nbytes, plan_pool_tokens
+
+    model, _ = load(model_path)
+    out = {"model": model_path, "model_bytes": model_nbytes(model)}
+    try:
+        specs, dtype = inspect_model(model)
+    except UnsupportedModel as e:
+        return {**out, "radix_path": False, "why_not": str(e)}
+    per_token = sum(s.bytes_per_token(dtype) for s in specs)
+    out.update(
+        radix_path=True,
+        kv_dtype=str(dtype),
+        kv_bytes_per_token=per_token,
+        sliding_window_layers=sum(s.window is not None for s in specs),
+    )
+    if cfg["radix.pool_tokens"]:
+        out["pool_tokens"] = cfg["radix.pool_tokens"]
+        return out
+    try:
+        out["pool_tokens"] = plan_pool_tokens(
+            per_token,
+            page_size=cfg["radix.page_size"],
+            mem_fraction=cfg["radix.mem_fraction"],
+            model_bytes=out["model_bytes"],
+            memory=mem,
+        )
+    except OutOfPages as e:
+        out["pool_tokens"] = f"none: {e}"
+    return out
+
+
+def build_cli(pm=None) -> click.Group:
+    """The CLI plus the commands of every plugin in ``pm`` (default: all installed)."""
+    from mlx_lm_hooks.plugins import load_plugins
+
+    if pm is None:
+        pm = load_plugins()
+    group = click.Group(cli.name, commands=dict(cli.commands), params=cli.params, help=cli.help)
+    pm.hook.mlx_lm_register_commands(cli=group)
+    return group
+
+
+def main() -> None:
+    build_cli()()

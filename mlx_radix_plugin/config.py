@@ -1,0 +1,256 @@
+"""Configuration: one defaults table; CLI flag > environment > file > default.
+
+The file is TOML (``--config FILE``, else ``$MLX_RADIX_CONFIG``, else
+``config.toml`` in the user config dir). The environment variable of a key is
+``MLX_RADIX_`` + the key upper-cased with dots as underscores, the ``radix.``
+section dropped: ``radix.page_size`` -> ``MLX_RADIX_PAGE_SIZE``,
+``decode.batched`` -> ``MLX_RADIX_DECODE_BATCHED``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+ENV_PREFIX = "MLX_RADIX_"
+CONFIG_ENV = "MLX_RADIX_CONFIG"
+APP_NAME = "mlx-radix"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    default: Any
+    help: str
+    choices: tuple = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+    @property
+    def env(self) -> str:
+        key = self.key.removeprefix("radix.")
+        return ENV_PREFIX + key.replace(".", "_").upper()
+
+    def accepted(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        if self.type is bool:
+            return "true or false"
+        kind = "an integer" if self.type is int else "a number"
+        op = ">" if self.exclusive_minimum else ">="
+        lo = "" if self.minimum is None else f"{op} {self.minimum}"
+        hi = "" if self.maximum is None else f"<= {self.maximum}"
+        bounds = " and ".join(b for b in (lo, hi) if b)
+        return f"{kind} {bounds}".strip()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("radix.enabled", True, "serve prompts from the shared radix KV pool"),
+    Setting("radix.page_size", 16, "tokens per KV page", minimum=1, maximum=4096),
+    Setting(
+        "radix.pool_tokens", 0, "KV pool size in tokens; 0 sizes it from device memory", minimum=0
+    ),
+    Setting(
+        "radix.mem_fraction",
+        0.4,
+        "share of device memory for the model and the pool when pool_tokens is 0",
+        minimum=0.0,
+        maximum=1.0,
+        exclusive_minimum=True,
+    ),
+    Setting("radix.eviction", "lru", "which cached prefixes go first", choices=("lru", "lfu")),
+    Setting("decode.batched", True, "decode concurrent requests in one batch"),
+    Setting("decode.max_batch_size", 32, "most requests decoded together", minimum=1, maximum=4096),
+    Setting("metrics.enabled", True, "serve Prometheus metrics at /metrics"),
+    Setting("log_level", "INFO", "log level of mlx-radix", choices=LOG_LEVELS),
+)
+BY_KEY = {s.key: s for s in SETTINGS}
+BY_ENV = {s.env: s for s in SETTINGS}
+
+
+class ConfigError(ValueError):
+    """A bad key or value; the message names it and says what is accepted."""
+
+
+def _unknown(key: str, where: str, known) -> ConfigError:
+    hint = difflib.get_close_matches(key, list(known), n=1)
+    did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+    return ConfigError(f"unknown key {key!r} in {where}{did_you_mean} (known: {', '.join(known)})")
+
+
+def _check(setting: Setting, value: Any, where: str) -> Any:
+    def bad() -> ConfigError:
+        return ConfigError(f"{setting.key} = {value!r} in {where}: expected {setting.accepted()}")
+
+    t = setting.type
+    if t is bool:
+        if not isinstance(value, bool):
+            raise bad()
+    elif t is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad()
+    elif t is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad()
+        value = float(value)
+    elif not isinstance(value, t):
+        raise bad()
+    if setting.choices:
+        if isinstance(value, str) and setting.key == "log_level":
+            value = value.upper()
+        if value not in setting.choices:
+            raise bad()
+    if setting.minimum is not None:
+        if value < setting.minimum or (setting.exclusive_minimum and value == setting.minimum):
+            raise bad()
+    if setting.maximum is not None and value > setting.maximum:
+        raise bad()
+    return value
+
+
+def _from_env_text(setting: Setting, text: str) -> Any:
+    t = setting.type
+    if t is bool:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        return text
+    if t in (int, float):
+        try:
+            return t(text)
+        except ValueError:
+            return text
+    return text
+
+
+def default_config_path() -> Path:
+    import click
+
+    return Path(click.get_app_dir(APP_NAME)) / "config.toml"
+
+
+def _flatten(table: Mapping, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for k, v in table.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            flat.update(_flatten(v, key + "."))
+        else:
+            flat[key] = v
+    return flat
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """The settings in a TOML file, checked; raises ConfigError naming the problem."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    where = str(path)
+    values = {}
+    for key, value in _flatten(data).items():
+        if key not in BY_KEY:
+            raise _unknown(key, where, BY_KEY)
+        values[key] = _check(BY_KEY[key], value, where)
+    return values
+
+
+@dataclass
+class Config:
+    values: dict[str, Any]
+    sources: dict[str, str] = field(default_factory=dict)
+    file: Path | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    path: str | Path | None = None,
+) -> Config:
+    """Resolve every setting; raises ConfigError on the first bad key or value."""
+    environ = os.environ if environ is None else environ
+    values = {s.key: s.default for s in SETTINGS}
+    sources = {s.key: "default" for s in SETTINGS}
+
+    file = None
+    if path is not None:
+        file = Path(path)
+    elif environ.get(CONFIG_ENV):
+        file = Path(environ[CONFIG_ENV])
+    elif default_config_path().exists():
+        file = default_config_path()
+    if file is not None:
+        for key, value in read_file(file).items():
+            values[key], sources[key] = value, f"file {file}"
+
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        if name not in BY_ENV:
+            raise _unknown(name, "the environment", BY_ENV)
+        setting = BY_ENV[name]
+        values[setting.key] = _check(setting, _from_env_text(setting, text), f"${name}")
+        sources[setting.key] = f"environment {name}"
+
+    for key, value in (cli or {}).items():
+        if value is None:
+            continue
+        if key not in BY_KEY:
+            raise _unknown(key, "the command line", BY_KEY)
+        values[key] = _check(BY_KEY[key], value, "the command line")
+        sources[key] = "command line"
+    return Config(values, sources, file)
+
+
+def default_file_text() -> str:
+    """A commented TOML file holding every default."""
+    lines = [
+        "# mlx-radix configuration. Precedence: command line > environment > this file.",
+        "# Every key is shown with its default; each has an environment variable.",
+        "",
+    ]
+    section = None
+    # Keys outside any table must come before the first [table] header.
+    for s in sorted(SETTINGS, key=lambda s: "." in s.key):
+        head, _, name = s.key.rpartition(".")
+        if head != section:
+            if head:
+                lines += ["", f"[{head}]"]
+            section = head
+        lines.append(f"# {s.help}; {s.accepted()}; env {s.env}")
+        lines.append(f"{name} = {_toml_value(s.default)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)

@@ -1,0 +1,50 @@
+"""Prometheus text exposition of the cache statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# stats key -> (metric name, type, help)
+METRICS = {
+    "hits": ("mlx_radix_prompt_cache_hits_total", "counter", "Prompts that reused cached tokens."),
+    "misses": ("mlx_radix_prompt_cache_misses_total", "counter", "Prompts with nothing cached."),
+    "prompt_tokens": ("mlx_radix_prompt_tokens_total", "counter", "Prompt tokens looked up."),
+    "cached_tokens": (
+        "mlx_radix_cached_tokens_total",
+        "counter",
+        "Prompt tokens served from the cache instead of computed.",
+    ),
+    "evictions": ("mlx_radix_evicted_pages_total", "counter", "Pages evicted to make room."),
+    "pool_bytes_used": ("mlx_radix_pool_bytes_used", "gauge", "Bytes of pool pages in use."),
+    "pool_bytes_total": ("mlx_radix_pool_bytes_total", "gauge", "Bytes the pool holds."),
+    "pages_total": ("mlx_radix_pages_total", "gauge", "Pages in the pool."),
+    "pages_free": ("mlx_radix_pages_free", "gauge", "Pages free."),
+    "pages_locked": ("mlx_radix_pages_locked", "gauge", "Pages held by running requests."),
+    "pages_evictable": (
+        "mlx_radix_pages_evictable",
+        "gauge",
+        "Cached pages no request holds (evictable).",
+    ),
+    "cached_sequences": ("mlx_radix_cached_sequences", "gauge", "Distinct cached sequences."),
+}
+
+
+def render(stats: Mapping, requests: Mapping[str, int]) -> str:
+    lines = []
+    for key, (name, kind, help_text) in METRICS.items():
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {stats[key]}"]
+    reason = stats.get("fallback")
+    lines += [
+        "# HELP mlx_radix_fallback 1 when the radix path is off for the loaded model.",
+        "# TYPE mlx_radix_fallback gauge",
+        f'mlx_radix_fallback{{reason="{_escape(reason or "")}"}} {int(reason is not None)}',
+        "# HELP mlx_radix_requests_total Requests ended, by finish reason.",
+        "# TYPE mlx_radix_requests_total counter",
+    ]
+    for why, n in sorted(requests.items()):
+        lines.append(f'mlx_radix_requests_total{{finish_reason="{_escape(why)}"}} {n}')
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,113 @@
+"""The ``radix`` plugin: what it does at each hook of mlx_lm.server."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import Counter
+from typing import Any
+
+from mlx_lm_hooks.hookspecs import hookimpl
+from mlx_lm_hooks.routes import RouteRequest, RouteResponse
+
+from . import metrics
+from .config import Config, ConfigError, load_config
+from .server_cache import ServerPromptCache
+
+MLX_LM_VERSION = "0.32.2"
+log = logging.getLogger("mlx_radix")
+
+
+def exit_with_usage_error(message: str):
+    """Stop before anything starts: the message on stderr, exit status 2 (as argparse)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_mlx_lm_version() -> None:
+    import mlx_lm
+
+    if mlx_lm.__version__ != MLX_LM_VERSION:
+        exit_with_usage_error(
+            f"mlx-radix needs mlx-lm=={MLX_LM_VERSION} (it uses that version's internals); "
+            f'found mlx-lm {mlx_lm.__version__}. Install it: pip install "mlx-lm=={MLX_LM_VERSION}"'
+        )
+
+
+class RadixPlugin:
+    def __init__(self):
+        self.cli_overrides: dict[str, Any] = {}
+        self.config_path: str | None = None
+        self.config: Config | None = None
+        self.cache: ServerPromptCache | None = None
+        self.requests: Counter[str] = Counter()
+
+    def configure(self, overrides: dict[str, Any], path: str | None = None) -> None:
+        """Command-line values for the next server start (``mlx-radix serve``)."""
+        self.cli_overrides = dict(overrides)
+        self.config_path = path
+
+    @hookimpl
+    def mlx_lm_server_start(self, cli_args):
+        check_mlx_lm_version()
+        try:
+            self.config = load_config(cli=self.cli_overrides, path=self.config_path)
+        except ConfigError as e:
+            exit_with_usage_error(str(e))
+        logging.getLogger("mlx_radix").setLevel(self.config["log_level"])
+        if cli_args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("serving on %s: reachable from other machines", cli_args.host)
+
+    @hookimpl
+    def mlx_lm_prompt_cache(self, cli_args):
+        if not self.config["radix.enabled"]:
+            return None
+        self.cache = ServerPromptCache(self.config, max_size=cli_args.prompt_cache_size)
+        return self.cache
+
+    @hookimpl
+    def mlx_lm_model_loaded(self, model, model_key, draft_model, cli_args, model_provider):
+        if self.cache is not None:
+            self.cache.bind(model, model_key, draft_model, cli_args)
+        if not self.config["decode.batched"]:
+            # Requests then take mlx-lm's one-at-a-time path, which reads the pool in place.
+            model_provider.is_batchable = False
+
+    @hookimpl
+    def mlx_lm_batch_generator(self, model, kwargs):
+        cap = self.config["decode.max_batch_size"]
+        if kwargs.get("completion_batch_size", cap) <= cap:
+            return None
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(model, **{**kwargs, "completion_batch_size": cap})
+
+    @hookimpl
+    def mlx_lm_request_finished(self, record):
+        self.requests[record.finish_reason or "unknown"] += 1
+
+    @hookimpl
+    def mlx_lm_register_routes(self, register):
+        register("GET", "/v1/cache/stats", self.stats_route)
+        register("GET", "/metrics", self.metrics_route)
+
+    def stats(self) -> dict:
+        if self.cache is not None:
+            stats = self.cache.stats()
+        else:
+            stats = ServerPromptCache(self.config).stats()
+            stats["fallback"] = "radix.enabled is false"
+        stats["requests"] = dict(self.requests)
+        return stats
+
+    def stats_route(self, request: RouteRequest) -> RouteResponse:
+        return RouteResponse(200, self.stats())
+
+    def metrics_route(self, request: RouteRequest) -> RouteResponse:
+        if not self.config["metrics.enabled"]:
+            return RouteResponse(404, {"error": "metrics are off (metrics.enabled = false)"})
+        text = metrics.render(self.stats(), self.requests)
+        return RouteResponse(200, text, "text/plain; version=0.0.4; charset=utf-8")
+
+
+plugin = RadixPlugin()

@@ -1,0 +1,131 @@
+"""The prompt cache mlx_lm.server gets when the radix plugin is active.
+
+The server builds its prompt cache before it loads a model, and may load another
+model later; the pool depends on the model. So this object is what the server
+holds: on every model load it builds a pool and a ``RadixPromptCache`` for that
+model, or, when the model cannot use the pool, serves from stock mlx-lm's
+``LRUPromptCache`` and says why in ``fallback``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import LRUPromptCache
+
+from .allocator import OutOfPages
+from .config import Config
+from .pool import KVPool, UnsupportedModel
+from .prompt_cache import RadixPromptCache
+
+log = logging.getLogger("mlx_radix")
+
+NOT_LOADED = "no model loaded yet"
+
+
+class ServerPromptCache:
+    def __init__(self, config: Config, max_size: int = 10, max_bytes: int = 1 << 63):
+        self.config = config
+        self._stock_args = (max_size, max_bytes)
+        self.radix: RadixPromptCache | None = None
+        self.stock: LRUPromptCache | None = None
+        self.model_key: Hashable | None = None
+        self.fallback: str | None = NOT_LOADED
+
+    def _fallback_reason(self, draft_model, cli_args) -> str | None:
+        if getattr(cli_args, "kv_bits", None) is not None:
+            return "--kv-bits quantizes the KV cache, which the pool stores unquantized"
+        if draft_model is not None:
+            return "a draft model (speculative decoding) keeps a second cache"
+        return None
+
+    def bind(self, model, model_key: Hashable, draft_model=None, cli_args=None) -> None:
+        """Serve ``model`` from now on: a fresh pool for it, or the stock cache."""
+        self.radix = self.stock = None
+        gc.collect()
+        mx.clear_cache()  # the old pool's memory goes back before the new one is taken
+        self.model_key = model_key
+        reason = self._fallback_reason(draft_model, cli_args)
+        if reason is None:
+            cfg = self.config
+            try:
+                pool = KVPool.for_model(
+                    model,
+                    page_size=cfg["radix.page_size"],
+                    pool_tokens=cfg["radix.pool_tokens"] or None,
+                    mem_fraction=cfg["radix.mem_fraction"],
+                )
+            except (UnsupportedModel, OutOfPages) as e:
+                reason = str(e)
+            else:
+                self.radix = RadixPromptCache(pool, eviction=cfg["radix.eviction"])
+                log.info(
+                    "radix KV pool: %d pages x %d tokens, %.1f MiB, %s",
+                    pool.num_pages,
+                    pool.page_size,
+                    pool.nbytes / 2**20,
+                    pool.dtype,
+                )
+        self.fallback = reason
+        if reason is not None:
+            log.warning("radix cache off for %s, stock prompt cache instead: %s", model_key, reason)
+            self.stock = LRUPromptCache(*self._stock_args)
+
+    @property
+    def active(self) -> Any:
+        if self.radix is not None:
+            return self.radix
+        if self.stock is None:
+            self.stock = LRUPromptCache(*self._stock_args)
+        return self.stock
+
+    # -- LRUPromptCache interface, routed to the active cache ----------------------
+
+    def __len__(self) -> int:
+        return len(self.active)
+
+    @property
+    def nbytes(self) -> int:
+        return self.active.nbytes
+
+    def stats_by_type(self) -> dict:
+        return self.active.stats_by_type()
+
+    def fetch_nearest_cache(self, model_key: Hashable, tokens: Sequence[int]):
+        return self.active.fetch_nearest_cache(model_key, tokens)
+
+    def insert_cache(self, model_key: Hashable, tokens, prompt_cache, *, cache_type="assistant"):
+        return self.active.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        return self.active.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+    # -- what /v1/cache/stats shows -------------------------------------------------
+
+    def stats(self) -> dict:
+        radix = self.radix
+        if radix is not None:
+            stats = radix.stats()
+        else:
+            stats = {
+                "hits": 0,
+                "misses": 0,
+                "prompt_tokens": 0,
+                "cached_tokens": 0,
+                "evictions": 0,
+                "pool_bytes_used": 0,
+                "pool_bytes_total": 0,
+                "pages_total": 0,
+                "pages_free": 0,
+                "pages_locked": 0,
+                "pages_evictable": 0,
+                "page_size": self.config["radix.page_size"],
+                "cached_sequences": len(self.stock) if self.stock is not None else 0,
+            }
+        stats["fallback"] = self.fallback
+        stats["model"] = list(self.model_key) if self.model_key is not None else None
+        return stats

@@ -1,0 +1,104 @@
+"""Every mlx-radix command through click's CliRunner."""
+
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+from mlx_lm_hooks.hookspecs import hookimpl
+from mlx_lm_hooks.plugins import make_plugin_manager
+
+from mlx_radix_plugin.cli import build_cli, cli
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for name in list(__import__("os").environ):
+        if name.startswith("MLX_RADIX_"):
+            monkeypatch.delenv(name)
+    runner = CliRunner()
+
+    def invoke(*args, group=cli):
+        return runner.invoke(group, list(args), catch_exceptions=False)
+
+    return invoke
+
+
+def test_config_init_show_validate(run, tmp_path):
+    path = tmp_path / "radix.toml"
+    result = run("config", "init", str(path))
+    assert result.exit_code == 0 and path.exists()
+    assert run("config", "init", str(path)).exit_code == 2  # refuses to overwrite
+    assert run("config", "init", str(path), "--force").exit_code == 0
+    result = run("config", "validate", str(path))
+    assert result.exit_code == 0 and "ok (9 of 9 keys set)" in result.output
+    path.write_text("[radix]\npage_size = 8\n")
+    shown = json.loads(run("config", "show", "--config", str(path), "--json").output)
+    assert shown["radix.page_size"] == {"value": 8, "source": f"file {path}"}
+    assert shown["radix.eviction"] == {"value": "lru", "source": "default"}
+    table = run("config", "show", "--config", str(path)).output
+    assert "radix.page_size" in table and f"file {path}" in table
+
+
+def test_config_init_defaults_to_user_config_dir(run, tmp_path):
+    result = run("config", "init")
+    assert result.exit_code == 0
+    written = tmp_path / "xdg" / "mlx-radix" / "config.toml"
+    assert written.exists()
+    assert "file" in json.loads(run("config", "show", "--json").output)["log_level"]["source"]
+
+
+def test_config_errors_exit_2_with_the_message(run, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[radix]\neviction = 'fifo'\n")
+    result = run("config", "validate", str(bad))
+    assert result.exit_code == 2 and "eviction = 'fifo'" in result.output
+    assert "expected one of lru, lfu" in result.output
+    assert run("config", "show", "--config", str(bad)).exit_code == 2
+    missing = run("config", "validate", str(tmp_path / "missing.toml"))
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+def test_serve_rejects_bad_values_before_starting(run):
+    result = run("serve", "--page-size", "0", "--model", "whatever")
+    assert result.exit_code == 2
+    assert "radix.page_size = 0 in the command line" in result.output
+    result = run("serve", "--mem-fraction", "2", "--model", "whatever")
+    assert result.exit_code == 2 and "mem_fraction" in result.output
+
+
+def test_plugins_lists_installed_plugins_as_json(run):
+    listed = json.loads(run("plugins").output)
+    radix = next(p for p in listed if p["name"] == "radix")
+    assert radix["entry_point"] == "mlx_radix_plugin.plugin:plugin"
+    assert radix["package"] == "mlx-radix"
+
+
+def test_doctor_reports_backend_memory_and_model(run, model_dirs):
+    result = run("doctor")
+    assert "backend" in result.output and "memory_usable_bytes" in result.output
+    assert "pool_budget_bytes_before_model" in result.output
+    result = run("doctor", "--model", str(model_dirs["gemma3_text"]))
+    assert result.exit_code == 0
+    report = dict(line.split(None, 1) for line in result.output.splitlines())
+    assert report["radix_path"] == "True" and report["sliding_window_layers"] == "2"
+    # 4 layers x 1 KV head x (16 + 16) dims x 4 bytes
+    assert report["kv_bytes_per_token"] == str(4 * 1 * 32 * 4)
+    assert report["kv_dtype"] == "mlx.core.float32"
+
+
+def test_register_commands_hook_adds_commands():
+    class Extra:
+        @hookimpl
+        def mlx_lm_register_commands(self, cli):
+            @cli.command()
+            def hello():
+                click.echo("hello from a plugin")
+
+    pm = make_plugin_manager()
+    pm.register(Extra(), name="extra")
+    group = build_cli(pm)
+    result = CliRunner().invoke(group, ["hello"])
+    assert result.exit_code == 0 and result.output == "hello from a plugin\n"
+    assert "hello" not in cli.commands  # the base group stays as it was

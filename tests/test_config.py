@@ -1,0 +1,104 @@
+"""One defaults table; CLI > environment > file > default; errors name key, value, accepted."""
+
+import pytest
+import tomllib
+
+from mlx_radix_plugin.config import (
+    SETTINGS,
+    ConfigError,
+    default_file_text,
+    load_config,
+    read_file,
+)
+
+NO_ENV: dict = {}
+
+
+@pytest.fixture
+def toml(tmp_path):
+    def write(text: str):
+        path = tmp_path / "c.toml"
+        path.write_text(text)
+        return path
+
+    return write
+
+
+def test_defaults_come_from_the_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # no user file
+    cfg = load_config(environ=NO_ENV)
+    assert cfg.values == {s.key: s.default for s in SETTINGS}
+    assert set(cfg.sources.values()) == {"default"}
+    assert cfg["radix.page_size"] == 16 and cfg["radix.eviction"] == "lru"
+
+
+def test_precedence_cli_over_env_over_file(toml):
+    path = toml("[radix]\npage_size = 8\neviction = 'lfu'\npool_tokens = 64\n")
+    env = {"MLX_RADIX_PAGE_SIZE": "4", "MLX_RADIX_EVICTION": "lru"}
+    cfg = load_config(cli={"radix.page_size": 2}, environ=env, path=path)
+    assert cfg["radix.page_size"] == 2 and cfg.sources["radix.page_size"] == "command line"
+    assert cfg["radix.eviction"] == "lru"
+    assert cfg.sources["radix.eviction"] == "environment MLX_RADIX_EVICTION"
+    assert cfg["radix.pool_tokens"] == 64 and cfg.sources["radix.pool_tokens"] == f"file {path}"
+    assert cfg.sources["decode.batched"] == "default"
+
+
+def test_file_from_environment_variable(toml):
+    path = toml("log_level = 'debug'\n[decode]\nbatched = false\n")
+    cfg = load_config(environ={"MLX_RADIX_CONFIG": str(path)})
+    assert cfg["decode.batched"] is False and cfg["log_level"] == "DEBUG"
+    assert cfg.file == path
+
+
+def test_env_names_and_bool_parsing():
+    names = {s.key: s.env for s in SETTINGS}
+    assert names["radix.page_size"] == "MLX_RADIX_PAGE_SIZE"
+    assert names["decode.max_batch_size"] == "MLX_RADIX_DECODE_MAX_BATCH_SIZE"
+    assert names["log_level"] == "MLX_RADIX_LOG_LEVEL"
+    for text, value in [("0", False), ("yes", True), ("False", False), ("on", True)]:
+        assert load_config(environ={"MLX_RADIX_ENABLED": text})["radix.enabled"] is value
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "[radix]\npage_sise = 4\n",
+            "unknown key 'radix.page_sise'.*did you mean 'radix.page_size'",
+        ),
+        ("[radix]\npage_size = 0\n", r"radix.page_size = 0 .*expected an integer >= 1 and <= 4096"),
+        ("[radix]\npage_size = '4'\n", r"radix.page_size = '4'.*expected an integer"),
+        ("[radix]\nmem_fraction = 0\n", r"mem_fraction = 0.*expected a number > 0.0 and <= 1.0"),
+        ("[radix]\neviction = 'fifo'\n", r"eviction = 'fifo'.*expected one of lru, lfu"),
+        ("[decode]\nbatched = 1\n", r"decode.batched = 1.*expected true or false"),
+        ("[radix\n", "is not valid TOML"),
+    ],
+)
+def test_bad_file_values_name_key_value_and_accepted(toml, text, message):
+    path = toml(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(environ=NO_ENV, path=path)
+
+
+def test_bad_environment_and_cli_values():
+    with pytest.raises(ConfigError, match=r"\$MLX_RADIX_PAGE_SIZE.*expected an integer"):
+        load_config(environ={"MLX_RADIX_PAGE_SIZE": "big"})
+    with pytest.raises(ConfigError, match="unknown key 'MLX_RADIX_PAGESIZE'.*MLX_RADIX_PAGE_SIZE"):
+        load_config(environ={"MLX_RADIX_PAGESIZE": "4"})
+    with pytest.raises(ConfigError, match="max_batch_size = -1 in the command line"):
+        load_config(cli={"decode.max_batch_size": -1}, environ=NO_ENV)
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_file(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        read_file(tmp_path)  # a directory
+
+
+def test_default_file_is_valid_toml_holding_every_default(toml):
+    text = default_file_text()
+    assert all(s.env in text for s in SETTINGS)
+    tomllib.loads(text)
+    values = read_file(toml(text))
+    assert values == {s.key: s.default for s in SETTINGS}

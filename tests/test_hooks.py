@@ -1,0 +1,164 @@
+"""The plugin host: specs, manager, call sites in a real mlx_lm.server, start-up shim."""
+
+import ast
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from mlx_lm_hooks import _startup, hookspecs
+from mlx_lm_hooks.plugins import UnknownPlugin, activate, make_plugin_manager
+from probe_plugin import Probe
+from servers import NO_EOS, Server, free_port, server_env
+
+from mlx_radix_plugin.cli import build_cli
+
+SPECS = sorted(n for n, f in vars(hookspecs).items() if n.startswith("mlx_lm_") and callable(f))
+
+
+def test_every_spec_is_prefixed_and_documented_in_one_line():
+    assert len(SPECS) == 7
+    for name in SPECS:
+        doc = inspect.getdoc(getattr(hookspecs, name))
+        assert doc and "\n" not in doc, name
+    # hookspecs.py holds only markers and specs.
+    tree = ast.parse(Path(hookspecs.__file__).read_text())
+    defs = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+    assert sorted(defs) == SPECS
+
+
+def test_prompt_cache_and_batch_generator_have_one_answer():
+    pm = make_plugin_manager()
+    assert pm.hook.mlx_lm_prompt_cache.spec.opts["firstresult"]
+    assert pm.hook.mlx_lm_batch_generator.spec.opts["firstresult"]
+
+
+def test_activate_unknown_plugin_names_the_installed_ones():
+    pm = make_plugin_manager()
+    with pytest.raises(UnknownPlugin, match="unknown plugin 'nope'; installed plugins: .*radix"):
+        activate(["nope"], pm)
+    assert activate(["radix", "radix"], pm) == ["radix", "radix"]
+    assert pm.has_plugin("radix")
+
+
+@pytest.fixture(scope="module")
+def probe_server(model_dirs, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("probe")
+    port = free_port()
+    cmd = [
+        sys.executable,
+        str(Path(__file__).parent / "probe_plugin.py"),
+        "--model",
+        str(model_dirs["llama"]),
+        "--port",
+        str(port),
+    ]
+    env = server_env(tmp)
+    env["PYTHONPATH"] += ":" + str(Path(__file__).parent)
+    with Server(cmd, env, port, tmp / "log") as server:
+        yield server
+
+
+def test_every_hook_is_called_by_a_real_server(probe_server):
+    probe_server.post(
+        "/v1/completions", {"prompt": "Paris is", "max_tokens": 3, "logit_bias": NO_EOS}
+    )
+    probe_server.stream(
+        "/v1/completions", {"prompt": "Berlin is", "max_tokens": 2, "logit_bias": NO_EOS}
+    )
+    status, body = probe_server.get("/probe")
+    assert status == 200
+    calls = json.loads(body)
+    assert calls["mlx_lm_server_start"] == [{"port": probe_server.port}]
+    assert calls["mlx_lm_model_loaded"][0]["layers"] == 2
+    assert calls["mlx_lm_prompt_cache"] == [{"size": 10}]
+    assert "completion_batch_size" in calls["mlx_lm_batch_generator"][0]["kwargs"]
+    finished = calls["mlx_lm_request_finished"]
+    assert [f["reason"] for f in finished] == ["length", "length"]
+    assert [f["generated"] for f in finished] == [3, 2]
+    # The CLI hook runs in the CLI, not the server.
+    pm = make_plugin_manager()
+    probe = Probe()
+    pm.register(probe)
+    build_cli(pm)
+    assert set(calls) | set(probe.calls) == set(SPECS)
+
+
+def test_plugin_routes_and_stock_routes_side_by_side(probe_server):
+    assert probe_server.get("/health") == (200, '{"status": "ok"}')
+    assert probe_server.get("/v1/models")[0] == 200
+    assert probe_server.get("/nowhere")[0] == 404
+    status, body = probe_server.get("/probe/boom")
+    assert status == 500 and "Traceback" not in body and "ZeroDivision" not in body
+    conn = probe_server._conn()
+    conn.request("POST", "/probe/echo", b"ping")
+    r = conn.getresponse()
+    assert (r.status, r.read()) == (200, b"ping")
+
+
+@pytest.mark.parametrize(
+    "argv, env, names, rest",
+    [
+        (["--plugin", "radix", "--port", "1"], {}, ["radix"], ["--port", "1"]),
+        (["--plugin=radix", "--model", "m"], {}, ["radix"], ["--model", "m"]),
+        (["--plugin", "a", "--plugin=b,c"], {"MLX_LM_PLUGINS": "b, d"}, ["b", "d", "a", "c"], []),
+        (["--model", "m"], {}, [], ["--model", "m"]),
+    ],
+)
+def test_split_plugin_args(argv, env, names, rest):
+    assert _startup.split_plugin_args(argv, env) == (names, rest)
+
+
+@pytest.mark.parametrize("argv", [["--plugin"], ["--plugin", "--model"], ["--plugin="]])
+def test_plugin_flag_without_a_name(argv):
+    with pytest.raises(_startup.PluginArgumentError, match="--plugin needs a plugin name"):
+        _startup.split_plugin_args(argv, {})
+
+
+def test_bootstrap_does_nothing_unless_asked_and_is_idempotent(monkeypatch):
+    finders = lambda: [f for f in sys.meta_path if isinstance(f, _startup._ServerFinder)]  # noqa: E731
+    monkeypatch.setattr(sys, "argv", ["python", "-c", "pass"])
+    monkeypatch.delenv("MLX_LM_PLUGINS", raising=False)
+    before = list(sys.meta_path)
+    _startup.bootstrap()
+    assert sys.meta_path == before
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(
+        sys, "modules", {k: v for k, v in sys.modules.items() if k != "mlx_lm.server"}
+    )
+    monkeypatch.setenv("MLX_LM_PLUGINS", "radix")
+    _startup.bootstrap()
+    _startup.bootstrap()  # a .pth seen twice
+    assert len(finders()) == 1
+
+
+def test_bootstrap_never_raises(monkeypatch):
+    monkeypatch.setattr(sys, "argv", None)  # whatever state the interpreter is in
+    _startup.bootstrap()
+
+
+def test_startup_module_imports_nothing_heavy():
+    source = Path(_startup.__file__).read_text()
+    top = [n for n in ast.parse(source).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert sorted(a.name for n in top for a in n.names) == ["os", "sys"]
+
+
+def test_other_mlx_lm_version_is_refused_naming_the_pin(monkeypatch, capsys):
+    import mlx_lm
+
+    from mlx_radix_plugin.plugin import check_mlx_lm_version
+
+    monkeypatch.setattr(mlx_lm, "__version__", "0.33.0")
+    with pytest.raises(SystemExit) as exit_info:
+        check_mlx_lm_version()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs mlx-lm==0.32.2" in err and "found mlx-lm 0.33.0" in err
+
+
+def test_every_hook_is_documented_in_the_readme():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for name in SPECS:
+        params = ", ".join(inspect.signature(getattr(hookspecs, name)).parameters)
+        assert f"`{name}({params})`" in readme, name

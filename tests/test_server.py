@@ -1,0 +1,165 @@
+"""mlx_lm.server with the radix plugin, started as users start it, against stock."""
+
+import re
+import sys
+
+import pytest
+from servers import (
+    BIN,
+    NO_EOS,
+    Server,
+    free_port,
+    mlx_lm_server,
+    run_to_exit,
+    server_env,
+)
+
+SYSTEM = "You are a helpful assistant. Answer the question briefly and politely. "
+GREEDY = {"max_tokens": 8, "temperature": 0.0, "logit_bias": NO_EOS}
+
+
+@pytest.fixture(scope="module")
+def hf_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf-cache")
+
+
+@pytest.fixture
+def start(model_dirs, hf_cache, tmp_path):
+    def start(cmd_prefix: list[str], env_extra: dict | None = None, model: str = "llama"):
+        port = free_port()
+        cmd = [*cmd_prefix, "--model", str(model_dirs[model]), "--port", str(port)]
+        return Server(cmd, server_env(hf_cache, **(env_extra or {})), port, tmp_path / "log")
+
+    return start
+
+
+def conversation(server: Server) -> list[dict]:
+    """The same requests against any server: texts and usage, in order."""
+    out = []
+    for prompt in (SYSTEM + "Where is Paris?", SYSTEM + "Where is Berlin?"):
+        r = server.post("/v1/completions", {"prompt": prompt, **GREEDY})
+        out.append({"text": r["choices"][0]["text"], "usage": r["usage"]})
+    chat = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]}
+    r = server.post("/v1/chat/completions", {**chat, **GREEDY})
+    out.append({"text": r["choices"][0]["message"]["content"], "usage": r["usage"]})
+    events = server.stream("/v1/chat/completions", {**chat, **GREEDY})
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    out.append({"text": text, "usage": None})
+    events = server.stream("/v1/completions", {"prompt": SYSTEM + "Where is Rome?", **GREEDY})
+    out.append({"text": "".join(e["choices"][0]["text"] for e in events), "usage": None})
+    return out
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.fullmatch(r"# (HELP|TYPE) mlx_radix_\w+ .+", line), line
+            continue
+        name, value = line.rsplit(" ", 1)
+        assert re.fullmatch(r'mlx_radix_\w+(\{\w+="[^"]*"\})?', name), line
+        values[name] = float(value)
+    return values
+
+
+def test_radix_server_answers_like_stock_and_reports_hits(start):
+    with start(mlx_lm_server()) as stock:
+        expected = conversation(stock)
+        assert stock.get("/v1/cache/stats")[0] == 404  # no plugin asked for: stock as it is
+    with start(mlx_lm_server("--plugin", "radix")) as radix:
+        before = radix.stats()
+        assert before["fallback"] is None and before["pages_total"] == 4096 // 4
+        got = conversation(radix)
+        after = radix.stats()
+        metrics = parse_metrics(radix.get("/metrics")[1])
+    assert [g["text"] for g in got] == [e["text"] for e in expected]
+    assert all(len(g["text"]) > 0 for g in got)
+    first, second = got[0]["usage"], got[1]["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    # The second prompt shares the system prompt with the first.
+    assert second["prompt_tokens_details"]["cached_tokens"] >= 12
+    assert after["hits"] >= 3 and after["cached_tokens"] > before["cached_tokens"]
+    assert after["pool_bytes_used"] > 0 and after["pages_free"] < after["pages_total"]
+    assert after["requests"] == {"length": 5}
+    assert metrics["mlx_radix_cached_tokens_total"] == after["cached_tokens"]
+    assert metrics["mlx_radix_prompt_cache_hits_total"] == after["hits"]
+    assert metrics['mlx_radix_fallback{reason=""}'] == 0
+    assert metrics['mlx_radix_requests_total{finish_reason="length"}'] == 5
+
+
+INVOCATIONS = {
+    "mlx_lm.server --plugin radix": (mlx_lm_server("--plugin", "radix"), {}),
+    "mlx_lm.server --plugin=radix": (mlx_lm_server("--plugin=radix"), {}),
+    "mlx_lm server --plugin radix": ([str(BIN / "mlx_lm"), "server", "--plugin", "radix"], {}),
+    "python -m mlx_lm server --plugin radix": (
+        [sys.executable, "-m", "mlx_lm", "server", "--plugin", "radix"],
+        {},
+    ),
+    "repeated --plugin": (mlx_lm_server("--plugin", "radix", "--plugin", "radix"), {}),
+    "MLX_LM_PLUGINS=radix": (mlx_lm_server(), {"MLX_LM_PLUGINS": "radix"}),
+    "mlx-radix serve": ([str(BIN / "mlx-radix"), "serve", "--page-size", "4"], {}),
+}
+
+
+@pytest.mark.parametrize("form", list(INVOCATIONS))
+def test_every_invocation_form_activates_the_plugin(start, form):
+    cmd, env = INVOCATIONS[form]
+    with start(cmd, env) as server:
+        prompt = SYSTEM + "Where is Paris?"
+        for _ in range(2):
+            r = server.post("/v1/completions", {"prompt": prompt, **GREEDY})
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        stats = server.stats()
+        assert stats["fallback"] is None and stats["hits"] == 1 and stats["page_size"] == 4
+
+
+def test_unknown_plugin_exits_2_listing_installed(model_dirs, hf_cache):
+    result = run_to_exit(
+        mlx_lm_server("--plugin", "nope", "--model", str(model_dirs["llama"])),
+        server_env(hf_cache),
+    )
+    assert result.returncode == 2
+    assert "unknown plugin 'nope'; installed plugins:" in result.stderr
+    assert "radix" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plugin_flag_without_name_exits_2(hf_cache):
+    result = run_to_exit(mlx_lm_server("--plugin"), server_env(hf_cache))
+    assert result.returncode == 2 and "--plugin needs a plugin name" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"MLX_RADIX_PAGE_SIZE": "0"}, "$MLX_RADIX_PAGE_SIZE: expected an integer >= 1"),
+        ({"MLX_RADIX_EVICTON": "lfu"}, "unknown key 'MLX_RADIX_EVICTON'"),
+    ],
+)
+def test_bad_config_exits_2_before_serving(model_dirs, hf_cache, env, message):
+    result = run_to_exit(
+        mlx_lm_server("--plugin", "radix", "--model", str(model_dirs["llama"])),
+        server_env(hf_cache, **env),
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bad_config_file_exits_2(model_dirs, hf_cache, tmp_path):
+    path = tmp_path / "radix.toml"
+    path.write_text("[radix]\neviction = 'fifo'\n")
+    result = run_to_exit(
+        mlx_lm_server("--plugin", "radix", "--model", str(model_dirs["llama"])),
+        server_env(hf_cache, MLX_RADIX_CONFIG=str(path)),
+    )
+    assert result.returncode == 2
+    assert (
+        "radix.eviction = 'fifo'" in result.stderr and "expected one of lru, lfu" in result.stderr
+    )
+
+
+def test_model_the_pool_cannot_hold_falls_back_with_reason(start):
+    with start(mlx_lm_server("--plugin", "radix", "--kv-bits", "8")) as server:
+        r = server.post("/v1/completions", {"prompt": SYSTEM, **GREEDY})
+        assert r["choices"][0]["text"]
+        stats = server.stats()
+    assert "--kv-bits" in stats["fallback"] and stats["pages_total"] == 0
