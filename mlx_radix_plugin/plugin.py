@@ -76,11 +76,15 @@ class RadixPlugin:
     @hookimpl
     def mlx_lm_batch_generator(self, model, kwargs):
         cap = self.config["decode.max_batch_size"]
-        if kwargs.get("completion_batch_size", cap) <= cap:
+        sizes = ("completion_batch_size", "prefill_batch_size")
+        if all(kwargs.get(k, cap) <= cap for k in sizes):
             return None
         from mlx_lm.generate import BatchGenerator
 
-        return BatchGenerator(model, **{**kwargs, "completion_batch_size": cap})
+        # BatchGenerator decodes max(completion, prefill) requests at once: cap both.
+        return BatchGenerator(
+            model, **{**kwargs, **{k: min(kwargs.get(k, cap), cap) for k in sizes}}
+        )
 
     @hookimpl
     def mlx_lm_request_finished(self, record):

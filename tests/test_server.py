@@ -105,12 +105,23 @@ INVOCATIONS = {
 def test_every_invocation_form_activates_the_plugin(start, form):
     cmd, env = INVOCATIONS[form]
     with start(cmd, env) as server:
-        prompt = SYSTEM + "Where is Paris?"
-        for _ in range(2):
-            r = server.post("/v1/completions", {"prompt": prompt, **GREEDY})
-        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        got = conversation(server)
         stats = server.stats()
-        assert stats["fallback"] is None and stats["hits"] == 1 and stats["page_size"] == 4
+    assert all(g["text"] for g in got)
+    assert got[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert stats["fallback"] is None and stats["hits"] >= 3 and stats["page_size"] == 4
+
+
+def test_unbatched_decode_reads_the_pool_in_place(start):
+    """decode.batched = false: mlx-lm's one-at-a-time path, on pool-backed caches."""
+    with start(mlx_lm_server()) as stock:
+        expected = conversation(stock)
+    with start(mlx_lm_server("--plugin", "radix"), {"MLX_RADIX_DECODE_BATCHED": "false"}) as s:
+        got = conversation(s)
+        stats = s.stats()
+    assert [g["text"] for g in got] == [e["text"] for e in expected]
+    assert got[1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 12
+    assert stats["pages_locked"] == 0 and stats["hits"] >= 3
 
 
 def test_unknown_plugin_exits_2_listing_installed(model_dirs, hf_cache):
