@@ -176,6 +176,8 @@ class PageTable:
         self.pool = pool
         self.pages = list(pages or [])
         self.shared_tokens = shared_tokens
+        self.written = shared_tokens  # tokens whose K/V are in the pool, all layers
+        self.batches: weakref.WeakSet = weakref.WeakSet()  # running batches holding a row
         self._hold = _Hold(pool, self.pages, unlock)
         # Dropped without release() (a disconnect, an error): give back on the owner's thread.
         self._finalizer = weakref.finalize(self, pool.defer, self._hold)
@@ -189,6 +191,17 @@ class PageTable:
     @property
     def released(self) -> bool:
         return self._hold.released
+
+    @property
+    def in_batch(self) -> bool:
+        """Whether a running batch still decodes into this table."""
+        return any(self in rows.tables for rows in self.batches)
+
+    def relock(self, unlock: Callable[[], None]) -> None:
+        """Swap the tree lock this table holds (its pages were committed further)."""
+        old, self._hold.unlock = self._hold.unlock, unlock
+        if old is not None:
+            old()
 
     def _changed(self) -> None:
         self._slots = None
@@ -227,6 +240,10 @@ class PageTable:
             self.pages.extend(self.pool.alloc_pages(need))
             self._changed()
 
+    def __deepcopy__(self, memo) -> PageTable:
+        # A page table names pages of the one pool: copies of a batch share it.
+        return self
+
     def release(self) -> None:
         """Give back every page reference and the tree lock; idempotent."""
         self._finalizer.detach()
@@ -254,6 +271,8 @@ class PoolBackedCache(_OffsetTrim):
         # Write first, then read from the updated array: keeps the write in place.
         pool.write(self.layer, table.slots(start, end), keys, values)
         self.offset = end
+        if self.layer == pool.num_layers - 1:
+            table.written = end
         return pool.read(self.layer, table.slots(self._key_start(start), end))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -302,8 +321,14 @@ class PoolBackedCache(_OffsetTrim):
 
     @classmethod
     def merge(cls, caches):
-        # Stock batching copies each request into one padded batch cache.
-        stock = [c.to_mlx_cache() for c in caches]
+        """One batch cache for mlx-lm's batch path: a buffer, plus writes into the pool."""
+        from .batch_cache import PoolBatchKVCache, PoolBatchRotatingKVCache
+
+        first = caches[0]
+        if all(isinstance(c, PoolBackedCache) and c.table.pool is first.table.pool for c in caches):
+            batch = PoolBatchKVCache if first.window is None else PoolBatchRotatingKVCache
+            return batch.from_pool_caches(caches)
+        stock = [c.to_mlx_cache() if isinstance(c, PoolBackedCache) else c for c in caches]
         return type(stock[0]).merge(stock)
 
 

@@ -81,6 +81,7 @@ class RadixPromptCache:
         n = match.length
         if match.partial_len:
             n = self._copy_partial(table, match.partial_page, n, match.partial_len)
+            table.written = n
         c = self.counters
         c.prompt_tokens += len(tokens)
         c.cached_tokens += n
@@ -116,7 +117,14 @@ class RadixPromptCache:
                 return
             n = min(min(c.offset for c in prompt_cache), len(tokens))
             self._commit(model_key, tokens, table, n)
-            table.release()
+            if table.in_batch:
+                # A segment boundary mid-request: the request keeps its pages and
+                # now locks all that it committed.
+                node = self.tree.match_prefix(model_key, list(tokens[:n])).node
+                self.tree.lock(node)
+                table.relock(partial(self._unlock, node))
+            else:
+                table.release()
         elif self._ingestible(prompt_cache):
             self._ingest(model_key, tokens, prompt_cache)
 
