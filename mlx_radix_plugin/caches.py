@@ -178,6 +178,12 @@ class PageTable:
         self.shared_tokens = shared_tokens
         self.written = shared_tokens  # tokens whose K/V are in the pool, all layers
         self.batches: weakref.WeakSet = weakref.WeakSet()  # running batches holding a row
+        # Set by RadixPromptCache.fetch_nearest_cache: whose prompt this is, how much of it
+        # the tree has, and the admitted request whose pages it waits for, if any.
+        self.model_key = None
+        self.tokens: list[int] | None = None
+        self.committed = 0
+        self.depends: tuple | None = None
         self._hold = _Hold(pool, self.pages, unlock)
         # Dropped without release() (a disconnect, an error): give back on the owner's thread.
         self._finalizer = weakref.finalize(self, pool.defer, self._hold)
@@ -196,6 +202,17 @@ class PageTable:
     def in_batch(self) -> bool:
         """Whether a running batch still decodes into this table."""
         return any(self in rows.tables for rows in self.batches)
+
+    def adopt(self, start: int, pages: list[int]) -> None:
+        """Address tokens from ``start`` through ``pages`` (another request's, now written)."""
+        first = start // self.pool.page_size
+        old = self.pages[first : first + len(pages)]
+        if old != pages:
+            with self.pool.lock:
+                self.pool.allocator.incref(pages)
+                self.pages[first : first + len(pages)] = pages
+                self.pool.release_pages(old)
+            self._changed()
 
     def relock(self, unlock: Callable[[], None]) -> None:
         """Swap the tree lock this table holds (its pages were committed further)."""

@@ -76,15 +76,19 @@ class RadixPlugin:
     @hookimpl
     def mlx_lm_batch_generator(self, model, kwargs):
         cap = self.config["decode.max_batch_size"]
+        # BatchGenerator decodes max(completion, prefill) requests at once: cap both.
         sizes = ("completion_batch_size", "prefill_batch_size")
-        if all(kwargs.get(k, cap) <= cap for k in sizes):
+        capped = {**kwargs, **{k: min(kwargs.get(k, cap), cap) for k in sizes}}
+        radix = self.cache.radix if self.cache is not None else None
+        if radix is not None:
+            from .engine import RadixBatchGenerator
+
+            return RadixBatchGenerator(model, radix, **capped)
+        if capped == kwargs:
             return None
         from mlx_lm.generate import BatchGenerator
 
-        # BatchGenerator decodes max(completion, prefill) requests at once: cap both.
-        return BatchGenerator(
-            model, **{**kwargs, **{k: min(kwargs.get(k, cap), cap) for k in sizes}}
-        )
+        return BatchGenerator(model, **capped)
 
     @hookimpl
     def mlx_lm_request_finished(self, record):

@@ -8,6 +8,8 @@ them: no K/V is copied, and a prefix shared by many prompts is stored once.
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial, wraps
@@ -15,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .allocator import OutOfPages
 from .caches import PageTable, PoolBackedCache
 from .pool import KVPool
 from .radix_tree import RadixTree, TreeNode
@@ -46,6 +49,12 @@ class RadixPromptCache:
         self.pool = pool
         self.tree = RadixTree(page_size=pool.page_size, policy=eviction)
         self.counters = CacheCounters()
+        # Requests whose prompt pages are not all in the tree yet: later requests
+        # with the same prefix share their pages instead of computing them again.
+        # Only an engine that runs a prefill after the one it waits for may turn
+        # this on (engine.RadixBatchGenerator does).
+        self.share_inflight = False
+        self._inflight: weakref.WeakSet[PageTable] = weakref.WeakSet()
         pool.reclaim = self._reclaim
 
     # -- the LRUPromptCache interface ---------------------------------------------
@@ -78,10 +87,27 @@ class RadixPromptCache:
         table = PageTable(
             self.pool, match.pages, match.length, unlock=partial(self._unlock, match.node)
         )
+        table.model_key, table.tokens, table.committed = model_key, tokens, match.length
         n = match.length
-        if match.partial_len:
+        producer, shared = None, n
+        if self.share_inflight:
+            producer, shared = self._inflight_match(model_key, tokens, n)
+        if producer is not None:
+            # Another request admitted before this one is about to compute these pages:
+            # share them, and let the engine run this prefill after that one.
+            pages = producer.pages[n // self.pool.page_size : shared // self.pool.page_size]
+            self.pool.allocator.incref(pages)
+            table.pages.extend(pages)
+            table.depends = (weakref.ref(producer), n, shared)
+            table.shared_tokens = n = shared
+        elif match.partial_len:
             n = self._copy_partial(table, match.partial_page, n, match.partial_len)
             table.written = n
+        try:
+            table.prepare_write(n, len(tokens))  # the prompt's pages, reserved now
+        except OutOfPages:
+            pass  # allocated as the prefill goes, evicting then
+        self._inflight.add(table)
         c = self.counters
         c.prompt_tokens += len(tokens)
         c.cached_tokens += n
@@ -116,14 +142,19 @@ class RadixPromptCache:
             if table.released or any(getattr(c, "table", None) is not table for c in prompt_cache):
                 return
             n = min(min(c.offset for c in prompt_cache), len(tokens))
-            self._commit(model_key, tokens, table, n)
+            prompt = table.tokens or []
+            if list(tokens[: len(prompt)]) != prompt[: len(tokens)]:
+                # Not the tokens this table's pages hold: committing would file K/V
+                # under the wrong key. Give the pages back instead.
+                self._inflight.discard(table)
+                table.release()
+                return
             if table.in_batch:
-                # A segment boundary mid-request: the request keeps its pages and
-                # now locks all that it committed.
-                node = self.tree.match_prefix(model_key, list(tokens[:n])).node
-                self.tree.lock(node)
-                table.relock(partial(self._unlock, node))
+                # A segment boundary mid-request: the request keeps its pages.
+                self._commit_running(model_key, tokens, table, n)
             else:
+                self._commit(model_key, tokens, table, n)
+                self._inflight.discard(table)
                 table.release()
         elif self._ingestible(prompt_cache):
             self._ingest(model_key, tokens, prompt_cache)
@@ -137,6 +168,21 @@ class RadixPromptCache:
         if n_sequences is not None:
             while len(self) > max(0, n_sequences) and self._evict(1):
                 pass
+
+    @_locked
+    def commit_progress(self, table: PageTable) -> None:
+        """Commit the prompt pages a running request has written so far.
+
+        A request arriving while this one still prefills or decodes then hits them.
+        """
+        prompt = getattr(table, "tokens", None)
+        if prompt is None or table.released:
+            return
+        upto = min(table.written, len(prompt)) // self.pool.page_size * self.pool.page_size
+        if upto > table.committed:
+            self._commit_running(table.model_key, prompt, table, upto)
+        if upto >= len(prompt) // self.pool.page_size * self.pool.page_size:
+            self._inflight.discard(table)
 
     # -- accounting ----------------------------------------------------------------
 
@@ -182,6 +228,34 @@ class RadixPromptCache:
         self.pool.copy(src_page * ps + idx, page * ps + idx)
         table.pages.append(page)
         return start + length
+
+    def _inflight_match(
+        self, model_key: Hashable, tokens: list[int], cached: int
+    ) -> tuple[PageTable | None, int]:
+        """The admitted request whose reserved prompt pages cover most of ``tokens``."""
+        ps = self.pool.page_size
+        best, best_len = None, cached
+        for other in list(self._inflight):
+            if other.released or other.model_key != model_key:
+                continue
+            limit = min(len(other.tokens), len(tokens) - 1, other.capacity)
+            common = len(os.path.commonprefix([other.tokens[:limit], tokens[:limit]]))
+            common = common // ps * ps
+            if common > best_len:
+                best, best_len = other, common
+        return best, best_len
+
+    def _commit_running(
+        self, model_key: Hashable, tokens: Sequence[int], table: PageTable, n: int
+    ) -> None:
+        """Commit ``n`` tokens of a request that goes on; it then locks all it committed."""
+        self._commit(model_key, tokens, table, n)
+        node = self.tree.match_prefix(
+            model_key, list(tokens[: n // self.pool.page_size * self.pool.page_size])
+        ).node
+        self.tree.lock(node)
+        table.relock(partial(self._unlock, node))
+        table.committed = max(getattr(table, "committed", 0), n)
 
     def _commit(self, model_key: Hashable, tokens: Sequence[int], table: PageTable, n: int) -> None:
         full = n // self.pool.page_size

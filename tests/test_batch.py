@@ -9,15 +9,23 @@ from tiny_models import ARCHS
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
 from mlx_radix_plugin.batch_cache import BatchedDecodeContext, PoolBatchKVCache
+from mlx_radix_plugin.engine import RadixBatchGenerator
 
 PS = 4
 
 
-def run_batch(model, tokenizer, prompts, rpc=None, max_tokens=8, samplers=None, step=2048):
-    """Requests through one BatchGenerator, as mlx_lm.server sends them; tokens per request."""
-    gen = BatchGenerator(
-        model, completion_batch_size=8, prefill_batch_size=4, prefill_step_size=step
-    )
+def run_batch(
+    model, tokenizer, prompts, rpc=None, max_tokens=8, samplers=None, step=2048, engine=False
+):
+    """Requests through one batch generator, as mlx_lm.server sends them; tokens per request.
+
+    ``engine``: the plugin's RadixBatchGenerator instead of mlx-lm's BatchGenerator.
+    """
+    sizes = dict(completion_batch_size=8, prefill_batch_size=4, prefill_step_size=step)
+    if engine:
+        gen = RadixBatchGenerator(model, rpc, **sizes)
+    else:
+        gen = BatchGenerator(model, **sizes)
     fetched = [rpc.fetch_nearest_cache(KEY, p) if rpc is not None else (None, p) for p in prompts]
     uids = gen.insert_segments(
         segments=[[rest] for _, rest in fetched],

@@ -75,3 +75,17 @@ def test_requests_are_counted_by_finish_reason(plugin):
     for reason in ("stop", "length", "stop", None):
         p.mlx_lm_request_finished(RequestRecord(None, 5, 0, 1, reason, 0.1))
     assert p.stats()["requests"] == {"stop": 2, "length": 1, "unknown": 1}
+
+
+def test_batch_generator_is_the_engine_when_the_pool_is_on(plugin, loaded):
+    from mlx_radix_plugin.engine import RadixBatchGenerator
+
+    model, _ = loaded("llama")
+    p = plugin(**{"radix.pool_tokens": 256, "decode.max_batch_size": 4})
+    p.mlx_lm_prompt_cache(args())
+    p.mlx_lm_model_loaded(model, ("m", None, None), None, args(), SimpleNamespace())
+    engine = p.mlx_lm_batch_generator(model, {"completion_batch_size": 32})
+    assert isinstance(engine, RadixBatchGenerator) and engine.completion_batch_size == 4
+    assert p.cache.radix.share_inflight
+    engine.close()
+    assert not p.cache.radix.share_inflight

@@ -71,7 +71,12 @@ def test_mid_page_divergence_copies_only_the_partial_page(llama):
     table = cache[0].table
     assert rest == [7, 8, 9, 11]
     assert table.shared_tokens == 2 * PS  # two pages shared in place, read without a copy
-    assert len(table.pages) == 3  # plus one private page holding the copied 3 tokens
+    tree_pages = rpc.tree.match_prefix(KEY, other[: 2 * PS]).pages
+    assert table.pages[:2] == tree_pages
+    # Then a private page that starts with the copied 3 tokens, and the rest of the
+    # prompt's pages, reserved at admission.
+    assert table.pages[2] not in rpc.tree.all_pages()
+    assert len(table.pages) == -(-len(other) // PS)
     assert mx.array_equal(rpc.pool.read(0, table.slots(0, 2 * PS + 3))[0], cache[0].state[0]).item()
 
 
@@ -81,7 +86,7 @@ def test_dropped_caches_release_their_locks(llama):
     prompt = list(range(50, 50 + 6 * PS))
     serve(rpc, model, tok, prompt)
     cache, _ = rpc.fetch_nearest_cache(KEY, prompt + [1, 2, 3])
-    assert rpc.stats()["pages_locked"] == 6
+    assert rpc.stats()["pages_locked"] == 6 + 1  # the cached prefix + the reserved page
     cache[0].update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
     del cache  # a client disconnect: the server drops the cache without inserting it
     gc.collect()
@@ -127,7 +132,7 @@ def test_trim_to_evicts_unlocked_sequences(llama):
     rpc.trim_to(n_sequences=1)
     assert len(rpc) == 1
     rpc.trim_to(n_bytes=0)
-    assert rpc.nbytes == rpc.stats()["pages_locked"] * rpc.pool.bytes_per_page > 0
+    assert rpc.nbytes == rpc.tree.protected_pages * rpc.pool.bytes_per_page > 0  # held ones stay
     del held
     rpc.trim_to(n_bytes=0)
     assert rpc.nbytes == 0 and len(rpc) == 0
@@ -160,3 +165,14 @@ def test_counters_and_stats(llama):
     assert s["cached_tokens"] == len(prompt)
     assert s["pool_bytes_used"] == rpc.pool.allocator.num_used * rpc.pool.bytes_per_page
     assert s["pool_bytes_total"] == rpc.pool.nbytes and balanced(s)
+
+
+def test_tokens_that_do_not_match_the_pages_are_not_committed(llama):
+    model, tok = llama
+    rpc = radix(model)
+    prompt = list(range(40, 40 + 4 * PS))
+    cache, rest = rpc.fetch_nearest_cache(KEY, prompt)
+    generate(model, tok, rest, cache)
+    rpc.insert_cache(KEY, [9] + prompt, cache)  # a caller's bookkeeping gone wrong
+    assert rpc.tree.total_pages == 0
+    assert rpc.stats()["pages_free"] == rpc.pool.num_pages

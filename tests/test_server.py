@@ -67,8 +67,7 @@ def test_radix_server_answers_like_stock_and_reports_hits(start):
         expected = conversation(stock)
         assert stock.get("/v1/cache/stats")[0] == 404  # no plugin asked for: stock as it is
     with start(mlx_lm_server("--plugin", "radix")) as radix:
-        before = radix.stats()
-        assert before["fallback"] is None and before["pages_total"] == 4096 // 4
+        before = radix.stats()  # the model may still be loading: counters only
         got = conversation(radix)
         after = radix.stats()
         metrics = parse_metrics(radix.get("/metrics")[1])
@@ -78,6 +77,7 @@ def test_radix_server_answers_like_stock_and_reports_hits(start):
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     # The second prompt shares the system prompt with the first.
     assert second["prompt_tokens_details"]["cached_tokens"] >= 12
+    assert after["fallback"] is None and after["pages_total"] == 4096 // 4
     assert after["hits"] >= 3 and after["cached_tokens"] > before["cached_tokens"]
     assert after["pool_bytes_used"] > 0 and after["pages_free"] < after["pages_total"]
     assert after["requests"] == {"length": 5}

@@ -1,0 +1,158 @@
+"""The plugin's engine: in-flight prefix sharing, early commits, removals, stock answers."""
+
+import gc
+
+import mlx.core as mx
+import pytest
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from test_batch import mixed_prompts, run_batch
+from test_generation import KEY, CountingModel, no_eos
+from tiny_models import ARCHS
+
+from mlx_radix_plugin import KVPool, RadixPromptCache
+from mlx_radix_plugin.engine import RadixBatchGenerator
+
+PS = 4
+
+
+def radix(model, tokens=4096):
+    return RadixPromptCache(KVPool.for_model(model, page_size=PS, pool_tokens=tokens))
+
+
+def burst(tokenizer, n=6, prefix_tokens=40):
+    prefix = (tokenizer.encode("You are a helpful assistant. ") * 10)[:prefix_tokens]
+    return [prefix + tokenizer.encode(f" Question {i}: where is city {i}?") for i in range(n)]
+
+
+class PrefillCounter(CountingModel):
+    """Counts the prompt tokens the model computes (decode steps feed one token a row)."""
+
+    def __call__(self, inputs, *args, **kwargs):
+        if inputs.shape[1] > 1:
+            self.tokens_seen += inputs.shape[0] * inputs.shape[1]
+        return self._model(inputs, *args, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_burst_on_a_new_prefix_computes_it_once(loaded, arch):
+    model, tok = loaded(arch)
+    prompts = burst(tok)
+    expected = run_batch(model, tok, prompts)
+    rpc = radix(model)
+    counting = PrefillCounter(model)
+    assert run_batch(counting, tok, prompts, rpc, engine=True) == expected
+    stats = rpc.stats()
+    suffixes = sum(len(p) - 40 for p in prompts)
+    # The first request computes the prefix; the others only their suffixes (give or
+    # take the page the prefix ends in).
+    assert counting.tokens_seen <= 40 + suffixes + len(prompts) * PS
+    assert stats["cached_tokens"] >= (len(prompts) - 1) * 36
+    assert stats["pages_locked"] == 0
+
+
+def test_sampling_and_logits_processors_as_stock(loaded):
+    model, tok = loaded("llama")
+    # No shared prefix: the engine forms the same batches as stock, so the random
+    # draws come in the same order.
+    prompts = [mixed_prompts(tok)[0], mixed_prompts(tok)[2], tok.encode("Once upon a time")]
+    samplers = [
+        make_sampler(temp=0.7, top_p=0.9),
+        make_sampler(temp=1.0, top_k=5, min_p=0.05),
+        make_sampler(temp=0.0),
+    ]
+    mx.random.seed(11)
+    expected = run_batch(model, tok, prompts, samplers=samplers)
+    mx.random.seed(11)
+    got = run_batch(model, tok, prompts, radix(model), samplers=samplers, engine=True)
+    assert got == expected
+    processors = make_logits_processors(
+        logit_bias={5: 10.0}, repetition_penalty=1.3, presence_penalty=0.5
+    )
+    gen = RadixBatchGenerator(model, radix(model), completion_batch_size=4)
+    (uid,) = gen.insert_segments(
+        [[prompts[0]]], max_tokens=[6], logits_processors=[processors + [no_eos([2])]]
+    )
+    tokens = []
+    while len(tokens) < 6:
+        tokens += [r.token for r in gen.next()[1]]
+    gen.close()
+    assert tokens.count(5) >= 1  # the bias shows
+
+
+def test_request_arriving_while_another_decodes_hits_its_prompt(loaded):
+    model, tok = loaded("qwen2")
+    rpc = radix(model)
+    gen = RadixBatchGenerator(model, rpc, completion_batch_size=4, prefill_batch_size=4)
+    first = burst(tok, n=1)[0]
+    cache, rest = rpc.fetch_nearest_cache(KEY, first)
+    gen.insert_segments([[rest]], max_tokens=[30], caches=[cache])
+    del cache
+    while not len(gen._generation_batch):
+        gen.next()
+    gen.next()
+    second = first[:-3] + tok.encode(" somewhere else entirely")
+    cache, rest = rpc.fetch_nearest_cache(KEY, second)
+    assert len(second) - len(rest) >= (len(first) - 3) // PS * PS
+    gen.close()
+
+
+def test_removing_the_request_others_wait_for(loaded):
+    model, tok = loaded("llama")
+    prompts = burst(tok, n=3)
+    expected = run_batch(model, tok, prompts)
+    rpc = radix(model)
+    gen = RadixBatchGenerator(model, rpc, completion_batch_size=8, prefill_batch_size=4)
+    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+    assert fetched[1][0][0].table.depends is not None
+    uids = gen.insert_segments(
+        [[rest] for _, rest in fetched],
+        max_tokens=[8] * 3,
+        caches=[c for c, _ in fetched],
+        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+        logits_processors=[[no_eos([2])]] * 3,
+    )
+    del fetched
+    gen.remove([uids[0]])  # a disconnect before its prefill started
+    gc.collect()
+    out = {u: [] for u in uids[1:]}
+    done = set()
+    while len(done) < 2:
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+            if r.finish_reason:
+                done.add(r.uid)
+                rpc.insert_cache(KEY, r.all_tokens, r.prompt_cache)
+    gen.close()
+    assert [out[u] for u in uids[1:]] == expected[1:]
+
+
+def test_disconnect_mid_stream_leaves_no_locked_page(loaded):
+    model, tok = loaded("gemma3_text")
+    rpc = radix(model)
+    gen = RadixBatchGenerator(model, rpc, completion_batch_size=8, prefill_batch_size=4)
+    prompts = burst(tok, n=4)
+    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+    uids = gen.insert_segments(
+        [[rest] for _, rest in fetched],
+        max_tokens=[20] * 4,
+        caches=[c for c, _ in fetched],
+        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+        logits_processors=[[no_eos([2])]] * 4,
+    )
+    del fetched
+    steps = 0
+    while steps < 12:
+        steps += bool(gen.next()[1])
+    gen.remove(uids[:2])  # two clients go away mid-stream
+    finished = 0
+    while finished < 2:
+        for r in gen.next()[1]:
+            if r.finish_reason:
+                finished += 1
+                rpc.insert_cache(KEY, r.all_tokens, r.prompt_cache)
+    gen.close()
+    del gen
+    gc.collect()
+    stats = rpc.stats()
+    assert stats["pages_locked"] == 0
+    assert stats["pages_free"] + stats["pages_evictable"] == stats["pages_total"]
