@@ -150,19 +150,23 @@ class _PoolWrites:
     @classmethod
     def from_pool_caches(cls, caches: list[PoolBackedCache]):
         # Copy-in: the batch buffer gets each request's cached K/V once, at admission.
-        stock = cls.stock.merge([c.to_mlx_cache() for c in caches])
         batch = cls.__new__(cls)
-        batch.__dict__.update(stock.__dict__)
+        batch.__dict__.update(cls._merged(caches).__dict__)
         batch.layer = caches[0].layer
         batch.rows = _rows_for(caches)
+        # Done now, not lazily: a gather from the pool still pending when the next
+        # write to it runs would make that write copy the whole array (DESIGN.md 4).
+        mx.eval(batch.state)
         return batch
 
     def update_and_fetch(self, keys, values):
         ctx = self.rows.context(keys.shape[2])
         if ctx.any:
-            k, v = (
-                x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3]) for x in (keys, values)
-            )
+            B, H, S, _ = keys.shape
+            if S == 1:  # decode: (B, H, 1, D) is already (B, H, D) in memory
+                k, v = keys.reshape(B, H, -1), values.reshape(B, H, -1)
+            else:
+                k, v = (x.transpose(0, 2, 1, 3).reshape(B * S, H, -1) for x in (keys, values))
             if ctx.take is not None:
                 k, v = k[ctx.take], v[ctx.take]
             pool = self.rows.pool
@@ -193,9 +197,46 @@ class _PoolWrites:
         """The request's caches as views of its pages: committed without a copy."""
         return PoolBackedCache(self.rows.tables[idx], self.layer, offset=self.rows.lengths[idx])
 
+    @classmethod
+    def _merged(cls, caches: list[PoolBackedCache]):
+        return cls.stock.merge([c.to_mlx_cache() for c in caches])
+
 
 class PoolBatchKVCache(_PoolWrites, BatchKVCache):
     stock = BatchKVCache
+
+    @classmethod
+    def _merged(cls, caches: list[PoolBackedCache]) -> BatchKVCache:
+        """mlx-lm's left-padded batch layout, gathered from the pages in one go per layer.
+
+        (Stock ``merge`` of per-request copies costs three passes over the K/V; this
+        is one. Padding slots point at slot 0: the left-padding mask hides them.)
+        """
+        lengths = [c.offset for c in caches]
+        longest = max(lengths)
+        if longest == 0:
+            return BatchKVCache([0] * len(caches))
+        pad = [longest - n for n in lengths]
+        slots = mx.concatenate(
+            [
+                mx.concatenate([mx.zeros((p,), mx.int32), c.table.slots(0, c.offset)])
+                if p
+                else c.table.slots(0, c.offset)
+                for p, c in zip(pad, caches)
+            ]
+        )
+        pool, layer = caches[0].table.pool, caches[0].layer
+        B, H = len(caches), pool.specs[layer].kv_heads
+
+        def gather(arr):
+            rows = arr[slots].reshape(B, longest, H, -1)
+            return mx.contiguous(rows.transpose(0, 2, 1, 3))
+
+        batch = BatchKVCache(pad)
+        batch.keys, batch.values = gather(pool.keys[layer]), gather(pool.values[layer])
+        batch.offset = batch.offset + longest
+        batch._idx = longest
+        return batch
 
 
 class PoolBatchRotatingKVCache(_PoolWrites, BatchRotatingKVCache):

@@ -183,6 +183,7 @@ class PageTable:
         self.model_key = None
         self.tokens: list[int] | None = None
         self.committed = 0
+        self.prompt_committed = True  # no prompt to commit unless fetch says so
         self.depends: tuple | None = None
         self._hold = _Hold(pool, self.pages, unlock)
         # Dropped without release() (a disconnect, an error): give back on the owner's thread.

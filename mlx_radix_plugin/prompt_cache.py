@@ -88,6 +88,7 @@ class RadixPromptCache:
             self.pool, match.pages, match.length, unlock=partial(self._unlock, match.node)
         )
         table.model_key, table.tokens, table.committed = model_key, tokens, match.length
+        table.prompt_committed = False
         n = match.length
         producer, shared = None, n
         if self.share_inflight:
@@ -177,11 +178,13 @@ class RadixPromptCache:
         """
         prompt = getattr(table, "tokens", None)
         if prompt is None or table.released:
+            table.prompt_committed = True
             return
         upto = min(table.written, len(prompt)) // self.pool.page_size * self.pool.page_size
         if upto > table.committed:
             self._commit_running(table.model_key, prompt, table, upto)
         if upto >= len(prompt) // self.pool.page_size * self.pool.page_size:
+            table.prompt_committed = True
             self._inflight.discard(table)
 
     # -- accounting ----------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""Random-weight model directories of real shapes, built offline, for benchmarks.
+
+The tokenizer is a word-level one with one word per token id (``t2`` ... ``tN``; ids 0
+and 1 are ``<eos>`` and ``<unk>``), so a prompt of N words is exactly N tokens and
+every id the model emits decodes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(
+        model_type="llama",
+        hidden_size=576,
+        num_hidden_layers=30,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+}
+EOS, UNK = 0, 1
+SPECIAL = {"<eos>": EOS, "<unk>": UNK}
+
+
+def words(ids) -> str:
+    """The text whose tokens are ``ids`` (each >= 2)."""
+    return " ".join(f"t{i}" for i in ids)
+
+
+def build(shape: str, path: Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
+    """Write a loadable model directory of ``shape`` (config keys overridable)."""
+    from mlx_lm.utils import _get_classes
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(
+        SHAPES[shape],
+        **overrides,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=8192,
+        eos_token_id=EOS,
+        torch_dtype=dtype,
+    )
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map(lambda p: p.astype(getattr(mx, dtype)), model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+
+    vocab = {**SPECIAL, **{f"t{i}": i for i in range(2, config["vocab_size"])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<eos>",
+                "unk_token": "<unk>",
+                "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+            }
+        )
+    )
+    return path
