@@ -127,6 +127,22 @@ class Result:
     prompt_tokens_computed: int = 0
     texts: list[str] = field(default_factory=list)
 
+    @classmethod
+    def from_usage(cls, server, workload, wall, usage, texts, ttft=()) -> Result:
+        """Totals of the ``usage`` objects the server returned."""
+        return cls(
+            server,
+            workload,
+            wall,
+            ttft_s=list(ttft),
+            completion_tokens=sum(u["completion_tokens"] for u in usage),
+            prompt_tokens=sum(u["prompt_tokens"] for u in usage),
+            prompt_tokens_computed=sum(
+                u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usage
+            ),
+            texts=texts,
+        )
+
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_s
@@ -174,17 +190,7 @@ def decode(server: ServerProcess, name: str, batch: int, prompt_len: int, max_to
         return run
 
     wall = _concurrently([one(i) for i in range(batch)])
-    return Result(
-        name,
-        "decode",
-        wall,
-        completion_tokens=sum(u["completion_tokens"] for u in usage),
-        prompt_tokens=sum(u["prompt_tokens"] for u in usage),
-        prompt_tokens_computed=sum(
-            u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usage
-        ),
-        texts=texts,
-    )
+    return Result.from_usage(name, "decode", wall, usage, texts)
 
 
 def burst(
@@ -228,18 +234,7 @@ def burst(
         return run
 
     wall = _concurrently([one(i) for i in range(n)])
-    return Result(
-        name,
-        "burst",
-        wall,
-        ttft_s=ttft,
-        completion_tokens=sum(u["completion_tokens"] for u in usage),
-        prompt_tokens=sum(u["prompt_tokens"] for u in usage),
-        prompt_tokens_computed=sum(
-            u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usage
-        ),
-        texts=texts,
-    )
+    return Result.from_usage(name, "burst", wall, usage, texts, ttft)
 
 
 def server_env(hf_cache: str, extra: dict[str, str]) -> dict[str, str]:

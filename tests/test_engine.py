@@ -24,6 +24,18 @@ def burst(tokenizer, n=6, prefix_tokens=40):
     return [prefix + tokenizer.encode(f" Question {i}: where is city {i}?") for i in range(n)]
 
 
+def admit(gen, rpc, prompts, max_tokens):
+    """What mlx_lm.server does for requests that arrive together: fetch all, then insert."""
+    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+    return gen.insert_segments(
+        [[rest] for _, rest in fetched],
+        max_tokens=[max_tokens] * len(prompts),
+        caches=[c for c, _ in fetched],
+        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+        logits_processors=[[no_eos([2])]] * len(prompts),
+    )
+
+
 class PrefillCounter(CountingModel):
     """Counts the prompt tokens the model computes (decode steps feed one token a row)."""
 
@@ -102,16 +114,8 @@ def test_removing_the_request_others_wait_for(loaded):
     expected = run_batch(model, tok, prompts)
     rpc = radix(model)
     gen = RadixBatchGenerator(model, rpc, completion_batch_size=8, prefill_batch_size=4)
-    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
-    assert fetched[1][0][0].table.depends is not None
-    uids = gen.insert_segments(
-        [[rest] for _, rest in fetched],
-        max_tokens=[8] * 3,
-        caches=[c for c, _ in fetched],
-        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
-        logits_processors=[[no_eos([2])]] * 3,
-    )
-    del fetched
+    uids = admit(gen, rpc, prompts, max_tokens=8)
+    assert gen._unprocessed_sequences[1][3][0].table.depends is not None
     gen.remove([uids[0]])  # a disconnect before its prefill started
     gc.collect()
     out = {u: [] for u in uids[1:]}
@@ -131,15 +135,7 @@ def test_disconnect_mid_stream_leaves_no_locked_page(loaded):
     rpc = radix(model)
     gen = RadixBatchGenerator(model, rpc, completion_batch_size=8, prefill_batch_size=4)
     prompts = burst(tok, n=4)
-    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
-    uids = gen.insert_segments(
-        [[rest] for _, rest in fetched],
-        max_tokens=[20] * 4,
-        caches=[c for c, _ in fetched],
-        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
-        logits_processors=[[no_eos([2])]] * 4,
-    )
-    del fetched
+    uids = admit(gen, rpc, prompts, max_tokens=20)
     steps = 0
     while steps < 12:
         steps += bool(gen.next()[1])
