@@ -50,6 +50,19 @@ CONFIGS: dict[str, dict] = {
     "mistral": dict(_BASE, model_type="mistral", num_hidden_layers=2),
     "qwen2": dict(_BASE, model_type="qwen2", num_hidden_layers=2),
     "qwen3": dict(_BASE, model_type="qwen3", num_hidden_layers=2, head_dim=16),
+    "qwen3_moe": dict(
+        _BASE,
+        model_type="qwen3_moe",
+        num_hidden_layers=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
+    "phi3": dict(_BASE, model_type="phi3", num_hidden_layers=2),  # fused qkv_proj
     # Sliding layers 0 and 2 see 8 tokens; the test prompts are longer than that.
     "gemma3_text": dict(
         _BASE,
