@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -111,6 +112,15 @@ class ServerProcess:
             events.append(event)
         return events
 
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time the server has used (Linux), steadier than wall time
+        on a shared machine."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stats(self) -> dict | None:
         status, body = self.get("/v1/cache/stats")
         return json.loads(body) if status == 200 else None
@@ -126,6 +136,7 @@ class Result:
     prompt_tokens: int = 0
     prompt_tokens_computed: int = 0
     texts: list[str] = field(default_factory=list)
+    cpu_s: float | None = None
 
     @classmethod
     def from_usage(cls, server, workload, wall, usage, texts, ttft=()) -> Result:
@@ -156,6 +167,16 @@ class Result:
             out["ttft_p95_s"] = round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 3)
             out["ttft_mean_s"] = round(statistics.fmean(ttft), 3)
         return out
+
+
+def _measured(server: ServerProcess, workload):
+    """Run ``workload()``; its Result gets the server's CPU seconds spent on it."""
+    before = server.cpu_seconds()
+    result = workload()
+    after = server.cpu_seconds()
+    if before is not None and after is not None:
+        result.cpu_s = round(after - before, 2)
+    return result
 
 
 def _concurrently(fns) -> float:
@@ -284,9 +305,10 @@ def run(args) -> dict:
             order = list(servers) if round_ % 2 == 0 else list(servers)[::-1]
             for name in order:
                 rng = requests(args.seed + round_)
-                results[name].append(
-                    decode(servers[name], name, args.batch, 32, args.max_tokens, rng)
+                work = functools.partial(
+                    decode, servers[name], name, args.batch, 32, args.max_tokens, rng
                 )
+                results[name].append(_measured(servers[name], work))
         for name, server in servers.items():
             rng = requests(args.seed + 1000)
             before = server.stats()
@@ -308,6 +330,7 @@ def run(args) -> dict:
         "model": args.model or f"random {args.random} ({args.dtype})",
         "decode_tokens_per_s_ratio": round(statistics.median(decode_ratios), 3),
         "decode_ratios_by_round": [round(x, 3) for x in decode_ratios],
+        "decode_cpu_s_per_token_ratio": _cpu_ratio(stock[:-1], radix[:-1]),
         "decode_tokens_per_s": {
             name: round(statistics.median(r.tokens_per_s for r in results[name][:-1]), 2)
             for name in results
@@ -319,6 +342,16 @@ def run(args) -> dict:
         "greedy_outputs_match": all(a.texts == b.texts for a, b in zip(stock, radix)),
         "results": [r.summary() for r in stock + radix],
     }
+
+
+def _cpu_ratio(stock: list[Result], radix: list[Result]) -> float | None:
+    """Stock's CPU seconds per generated token over the plugin's (> 1: the plugin uses less)."""
+    if any(r.cpu_s is None for r in stock + radix):
+        return None
+    per_token = [
+        sum(r.cpu_s for r in rs) / sum(r.completion_tokens for r in rs) for rs in (stock, radix)
+    ]
+    return round(per_token[0] / per_token[1], 3)
 
 
 def main(argv=None) -> int:

@@ -55,7 +55,7 @@ class RadixPromptCache:
         # this on (engine.RadixBatchGenerator does).
         self.share_inflight = False
         self._inflight: weakref.WeakSet[PageTable] = weakref.WeakSet()
-        pool.reclaim = self._reclaim
+        pool.reclaim = self._evict
 
     # -- the LRUPromptCache interface ---------------------------------------------
 
@@ -102,8 +102,11 @@ class RadixPromptCache:
             table.depends = (weakref.ref(producer), n, shared)
             table.shared_tokens = n = shared
         elif match.partial_len:
-            n = self._copy_partial(table, match.partial_page, n, match.partial_len)
-            table.written = n
+            try:
+                n = self._copy_partial(table, match.partial_page, n, match.partial_len)
+                table.written = n
+            except OutOfPages:
+                pass  # the server's thread must not die on a fetch: recompute those tokens
         try:
             table.prepare_write(n, len(tokens))  # the prompt's pages, reserved now
         except OutOfPages:
@@ -214,9 +217,6 @@ class RadixPromptCache:
         dropped = self.tree.evict(num_pages)
         self.counters.evictions += len(dropped)
         return len(self.pool.allocator.decref(dropped)) if dropped else 0
-
-    def _reclaim(self, num_pages: int) -> int:
-        return self._evict(num_pages)
 
     def _copy_partial(self, table: PageTable, src_page: int, start: int, length: int) -> int:
         """Copy the first ``length`` slots of a cached page into a page of the request."""
