@@ -24,13 +24,17 @@ pass in a ``BatchedDecodeContext`` and read by every layer.
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
+from .allocator import OutOfPages
 from .caches import PageTable, PoolBackedCache
 from .pool import KVPool
+
+log = logging.getLogger("mlx_radix")
 
 
 class BatchedDecodeContext:
@@ -41,12 +45,23 @@ class BatchedDecodeContext:
     def __init__(self, tables: list[PageTable], lengths: list[int], valid: list[int], step: int):
         BatchedDecodeContext.built += 1
         self.step = step
-        self.valid = valid
+        self.valid = list(valid)  # tokens of each row written to the pool this pass
         slots, take = [], []
         for row, (table, start, n) in enumerate(zip(tables, lengths, valid)):
-            if n == 0:
+            if n == 0 or table.overflowed:
+                self.valid[row] = 0
                 continue
-            table.prepare_write(start, start + n)
+            try:
+                table.prepare_write(start, start + n)
+            except OutOfPages:
+                # Every page is held by running requests. This request goes on from the
+                # batch buffer, which holds all it attends to; only the pool stops
+                # receiving its tokens, so what is committed later is what was written.
+                # (Raising here would end mlx_lm.server's generation thread.)
+                log.warning("KV pool full: request stops caching at %d tokens", start)
+                table.overflowed = True
+                self.valid[row] = 0
+                continue
             slots.append(table.slots(start, start + n))
             take.extend(range(row * step, row * step + n))
         self.any = bool(slots)

@@ -184,6 +184,7 @@ class PageTable:
         self.tokens: list[int] | None = None
         self.committed = 0
         self.prompt_committed = True  # no prompt to commit unless fetch says so
+        self.overflowed = False  # the pool had no page for it: later tokens stay uncached
         self.depends: tuple | None = None
         self._hold = _Hold(pool, self.pages, unlock)
         # Dropped without release() (a disconnect, an error): give back on the owner's thread.

@@ -56,7 +56,8 @@ class RadixBatchGenerator(BatchGenerator):
             table.depends = None
             table.written = max(table.written, upto)
             return True
-        if producer is None or producer.released:
+        if producer is None or producer.released or producer.overflowed:
+            # It is gone, or the pool had no room for its pages: nothing to wait for.
             self._compute_own_prefix(sequence, table, upto)
             return True
         return False

@@ -288,6 +288,8 @@ class RadixPromptCache:
         self.tree.lock(match.node)
         try:
             pages = self.pool.alloc_pages(full - match.length // ps)
+        except OutOfPages:
+            return  # nothing cached; the caller (the server's thread) must go on
         finally:
             self.tree.unlock(match.node)
         slots = self.pool.slots_of(pages)

@@ -152,3 +152,20 @@ def test_disconnect_mid_stream_leaves_no_locked_page(loaded):
     stats = rpc.stats()
     assert stats["pages_locked"] == 0
     assert stats["pages_free"] + stats["pages_evictable"] == stats["pages_total"]
+
+
+def test_a_full_pool_never_stops_the_batch(loaded, caplog):
+    """More live tokens than pages: requests finish as stock's, caching what fit."""
+    caplog.set_level("WARNING", logger="mlx_radix")
+    model, tok = loaded("llama")
+    prompts = [
+        tok.encode(f"Request {i}: the quick brown fox jumps over the lazy dog.") for i in range(3)
+    ]
+    expected = run_batch(model, tok, prompts, max_tokens=16)
+    rpc = radix(model, tokens=12 * PS)  # 48 tokens for 3 x ~35
+    assert run_batch(model, tok, prompts, rpc, max_tokens=16, engine=True) == expected
+    assert "KV pool full: request stops caching" in caplog.text
+    stats = rpc.stats()
+    assert stats["pages_locked"] == 0
+    assert stats["pages_free"] + stats["pages_evictable"] == stats["pages_total"]
+    assert 0 < stats["pool_bytes_used"] <= rpc.pool.nbytes
