@@ -169,6 +169,14 @@ class Result:
         return out
 
 
+class Requests(random.Random):
+    """A seeded request stream, the same for both servers; word ids within the vocabulary."""
+
+    def __init__(self, seed: int, vocab: int):
+        super().__init__(seed)
+        self.vocab = vocab
+
+
 def _measured(server: ServerProcess, workload):
     """Run ``workload()``; its Result gets the server's CPU seconds spent on it."""
     before = server.cpu_seconds()
@@ -271,11 +279,8 @@ def run(args) -> dict:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     (work / "hf").mkdir()
 
-    def requests(seed: int) -> random.Random:
-        """The same request stream for both servers; word ids within the vocabulary."""
-        rng = random.Random(seed)
-        rng.vocab = min(vocab, 30000)
-        return rng
+    def requests(seed: int) -> Requests:
+        return Requests(seed, min(vocab, 30000))
 
     flags = {"stock": [], "radix": ["--plugin", "radix"]}
     extra = {"stock": {}, "radix": {"MLX_RADIX_POOL_TOKENS": str(args.pool_tokens)}}

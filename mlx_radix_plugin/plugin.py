@@ -12,6 +12,7 @@ from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 
 from . import metrics
 from .config import Config, ConfigError, load_config
+from .prompt_cache import idle_stats
 from .server_cache import ServerPromptCache
 
 MLX_LM_VERSION = "0.32.2"
@@ -103,8 +104,8 @@ class RadixPlugin:
         if self.cache is not None:
             stats = self.cache.stats()
         else:
-            stats = ServerPromptCache(self.config).stats()
-            stats["fallback"] = "radix.enabled is false"
+            stats = idle_stats(self.config["radix.page_size"], "radix.enabled is false")
+            stats["model"] = None
         stats["requests"] = dict(self.requests)
         return stats
 

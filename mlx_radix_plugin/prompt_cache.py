@@ -16,9 +16,10 @@ from functools import partial, wraps
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from .allocator import OutOfPages
-from .caches import PageTable, PoolBackedCache
+from .caches import ContiguousKVCache, PageTable, PoolBackedCache
 from .pool import KVPool
 from .radix_tree import RadixTree, TreeNode
 
@@ -33,6 +34,18 @@ def _locked(method):
             return method(self, *args, **kwargs)
 
     return run
+
+
+def idle_stats(page_size: int, fallback: str | None) -> dict:
+    """What ``RadixPromptCache.stats`` shows, for a server with no pool."""
+    pool_keys = ("pool_bytes_used", "pool_bytes_total", "pages_total", "pages_free")
+    pages = ("pages_locked", "pages_evictable", "cached_sequences")
+    return {
+        **asdict(CacheCounters()),
+        **dict.fromkeys(pool_keys + pages, 0),
+        "page_size": page_size,
+        "fallback": fallback,
+    }
 
 
 @dataclass
@@ -198,7 +211,7 @@ class RadixPromptCache:
         evictable = self.tree.evictable_pages
         return {
             **asdict(self.counters),
-            "pool_bytes_used": alloc.num_used * self.pool.bytes_per_page,
+            "pool_bytes_used": self.pool.used_bytes,
             "pool_bytes_total": self.pool.nbytes,
             "pages_total": alloc.num_pages,
             "pages_free": alloc.num_free,
@@ -273,7 +286,7 @@ class RadixPromptCache:
         return (
             len(prompt_cache) == self.pool.num_layers
             and all(s.window is None for s in self.pool.specs)
-            and all(type(c).__name__ in ("KVCache", "ContiguousKVCache") for c in prompt_cache)
+            and all(type(c) in (KVCache, ContiguousKVCache) for c in prompt_cache)
             and all(c.keys is not None and c.keys.shape[0] == 1 for c in prompt_cache)
         )
 

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from .allocator import OutOfPages
 from .config import Config
 from .pool import KVPool, UnsupportedModel
-from .prompt_cache import RadixPromptCache
+from .prompt_cache import RadixPromptCache, idle_stats
 
 log = logging.getLogger("mlx_radix")
 
@@ -107,25 +107,11 @@ class ServerPromptCache:
     # -- what /v1/cache/stats shows -------------------------------------------------
 
     def stats(self) -> dict:
-        radix = self.radix
-        if radix is not None:
-            stats = radix.stats()
+        if self.radix is not None:
+            stats = self.radix.stats()
         else:
-            stats = {
-                "hits": 0,
-                "misses": 0,
-                "prompt_tokens": 0,
-                "cached_tokens": 0,
-                "evictions": 0,
-                "pool_bytes_used": 0,
-                "pool_bytes_total": 0,
-                "pages_total": 0,
-                "pages_free": 0,
-                "pages_locked": 0,
-                "pages_evictable": 0,
-                "page_size": self.config["radix.page_size"],
-                "cached_sequences": len(self.stock) if self.stock is not None else 0,
-            }
+            stats = idle_stats(self.config["radix.page_size"], self.fallback)
+            stats["cached_sequences"] = len(self.stock) if self.stock is not None else 0
         stats["fallback"] = self.fallback
         stats["model"] = list(self.model_key) if self.model_key is not None else None
         return stats
