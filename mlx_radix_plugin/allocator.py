@@ -20,6 +20,7 @@ class PageAllocator:
             raise ValueError(f"a pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self._refs = [0] * num_pages
+        self.total_refs = 0  # sum of every page's count, kept as it changes
         # Popping from the end hands out low page ids first: easier to read in tests.
         self._free = list(range(num_pages - 1, -1, -1))
 
@@ -40,6 +41,7 @@ class PageAllocator:
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
+        self.total_refs += n
         return pages
 
     def incref(self, pages: Iterable[int]) -> None:
@@ -47,6 +49,7 @@ class PageAllocator:
             if self._refs[p] <= 0:
                 raise RuntimeError(f"incref of free page {p}")
             self._refs[p] += 1
+            self.total_refs += 1
 
     def decref(self, pages: Iterable[int]) -> list[int]:
         """Drop one reference from each page; returns the pages that became free."""
@@ -55,6 +58,7 @@ class PageAllocator:
             if self._refs[p] <= 0:
                 raise RuntimeError(f"decref of free page {p}")
             self._refs[p] -= 1
+            self.total_refs -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
                 freed.append(p)

@@ -62,10 +62,14 @@ class BatchedDecodeContext:
                 table.overflowed = True
                 self.valid[row] = 0
                 continue
-            slots.append(table.slots(start, start + n))
+            slots.append(table.slot(start) if step == 1 else table.slots(start, start + n))
             take.extend(range(row * step, row * step + n))
         self.any = bool(slots)
-        self.write_slots = mx.concatenate(slots) if len(slots) > 1 else (slots or [None])[0]
+        if step == 1:
+            # Decode: one small array from Python ints, not a slice per row and a concat.
+            self.write_slots = mx.array(slots, dtype=mx.int32) if slots else None
+        else:
+            self.write_slots = mx.concatenate(slots) if len(slots) > 1 else (slots or [None])[0]
         # Rows of the flattened (batch x step) tokens that are real; None when all are.
         self.take = None if len(take) == len(tables) * step else mx.array(take, dtype=mx.int32)
 
@@ -81,12 +85,29 @@ class BatchRows:
         self.prompt_lengths: list[int] | None = None  # real tokens in a right-padded prompt
         self.processed = 0
         self._ctx: BatchedDecodeContext | None = None
+        self._copy_in: tuple[tuple[int, ...], mx.array] | None = None
         self._calls = 0
         self._op_calls = 0
 
     @property
     def num_layers(self) -> int:
         return self.pool.num_layers
+
+    def copy_in_slots(self, lengths: list[int]) -> mx.array:
+        """Slots of every row's cached tokens, left-padded to the longest; built once.
+
+        Padding points at slot 0: the left-padding mask hides it.
+        """
+        key = tuple(lengths)
+        if self._copy_in is None or self._copy_in[0] != key:
+            longest = max(lengths)
+            parts = []
+            for table, n in zip(self.tables, lengths):
+                if longest - n:
+                    parts.append(mx.zeros((longest - n,), mx.int32))
+                parts.append(table.slots(0, n))
+            self._copy_in = (key, mx.concatenate(parts))
+        return self._copy_in[1]
 
     def context(self, step: int) -> BatchedDecodeContext:
         """This forward pass's context: built by its first layer, dropped after its last."""
@@ -166,12 +187,12 @@ class _PoolWrites:
     def from_pool_caches(cls, caches: list[PoolBackedCache]):
         # Copy-in: the batch buffer gets each request's cached K/V once, at admission.
         batch = cls.__new__(cls)
-        batch.__dict__.update(cls._merged(caches).__dict__)
+        rows = _rows_for(caches)
+        batch.__dict__.update(cls._merged(caches, rows).__dict__)
         batch.layer = caches[0].layer
-        batch.rows = _rows_for(caches)
-        # Done now, not lazily: a gather from the pool still pending when the next
-        # write to it runs would make that write copy the whole array (DESIGN.md 4).
-        mx.eval(batch.state)
+        batch.rows = rows
+        # Left lazy: the engine evaluates every layer's copy-in in one go right after
+        # the merge (RadixBatchGenerator._make_batch), before any write to the pool.
         return batch
 
     def update_and_fetch(self, keys, values):
@@ -213,7 +234,7 @@ class _PoolWrites:
         return PoolBackedCache(self.rows.tables[idx], self.layer, offset=self.rows.lengths[idx])
 
     @classmethod
-    def _merged(cls, caches: list[PoolBackedCache]):
+    def _merged(cls, caches: list[PoolBackedCache], rows: BatchRows):
         return cls.stock.merge([c.to_mlx_cache() for c in caches])
 
 
@@ -221,25 +242,18 @@ class PoolBatchKVCache(_PoolWrites, BatchKVCache):
     stock = BatchKVCache
 
     @classmethod
-    def _merged(cls, caches: list[PoolBackedCache]) -> BatchKVCache:
+    def _merged(cls, caches: list[PoolBackedCache], rows: BatchRows) -> BatchKVCache:
         """mlx-lm's left-padded batch layout, gathered from the pages in one go per layer.
 
         (Stock ``merge`` of per-request copies costs three passes over the K/V; this
-        is one. Padding slots point at slot 0: the left-padding mask hides them.)
+        is one.)
         """
         lengths = [c.offset for c in caches]
         longest = max(lengths)
         if longest == 0:
             return BatchKVCache([0] * len(caches))
         pad = [longest - n for n in lengths]
-        slots = mx.concatenate(
-            [
-                mx.concatenate([mx.zeros((p,), mx.int32), c.table.slots(0, c.offset)])
-                if p
-                else c.table.slots(0, c.offset)
-                for p, c in zip(pad, caches)
-            ]
-        )
+        slots = rows.copy_in_slots(lengths)
         pool, layer = caches[0].table.pool, caches[0].layer
         B, H = len(caches), pool.specs[layer].kv_heads
 

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import copy
+import logging
 import weakref
 from collections.abc import Callable
 
@@ -23,7 +25,10 @@ from mlx_lm.models.cache import (
     create_attention_mask,
 )
 
+from .allocator import OutOfPages
 from .pool import KVPool
+
+log = logging.getLogger("mlx_radix")
 
 
 def window_mask(
@@ -226,6 +231,11 @@ class PageTable:
         self._slots = None
         self._views.clear()
 
+    def slot(self, position: int) -> int:
+        """The pool slot of the token at ``position``."""
+        page, offset = divmod(position, self.pool.page_size)
+        return self.pages[page] * self.pool.page_size + offset
+
     def slots(self, start: int, end: int) -> mx.array:
         """Slot ids of tokens ``[start, end)``; built once per span, read by every layer."""
         view = self._views.get((start, end))
@@ -278,6 +288,9 @@ class PoolBackedCache(_OffsetTrim):
         self.layer = layer
         self.window = table.pool.specs[layer].window
         self.offset = offset
+        # Set when the pool has no page left for this request: from then on the layer
+        # keeps its K/V privately, as mlx-lm's own cache would, and nothing more is cached.
+        self._own: KVCache | RotatingKVCache | None = None
 
     def _key_start(self, offset: int) -> int:
         # A sliding-window layer reads back only what its queries can still see.
@@ -286,18 +299,40 @@ class PoolBackedCache(_OffsetTrim):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         start, end = self.offset, self.offset + keys.shape[2]
         table, pool = self.table, self.table.pool
-        table.prepare_write(start, end)
-        # Write first, then read from the updated array: keeps the write in place.
-        pool.write(self.layer, table.slots(start, end), keys, values)
+        if self._own is None and not table.overflowed:
+            try:
+                table.prepare_write(start, end)
+            except OutOfPages:
+                # Raising would end this request with nothing sent but a 200 header.
+                log.warning("KV pool full: request goes on uncached from %d tokens", start)
+                table.overflowed = True
+            else:
+                # Write first, then read from the updated array: keeps the write in place.
+                pool.write(self.layer, table.slots(start, end), keys, values)
+                self.offset = end
+                if self.layer == pool.num_layers - 1:
+                    table.written = end
+                return pool.read(self.layer, table.slots(self._key_start(start), end))
+        if self._own is None:
+            self._own = self.to_mlx_cache()
+        fetched = self._own.update_and_fetch(keys, values)
         self.offset = end
-        if self.layer == pool.num_layers - 1:
-            table.written = end
-        return pool.read(self.layer, table.slots(self._key_start(start), end))
+        return fetched
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        if self._own is not None:
+            self._own.trim(n)
+        return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if self._own is not None:
+            return self._own.make_mask(N, return_array=return_array, window_size=window_size)
         return window_mask(N, self.offset, self._key_start(self.offset), window_size, return_array)
 
     def _history(self) -> tuple[mx.array, mx.array]:
+        if self._own is not None:
+            return self._own.state[:2]
         # A windowed layer keeps its last `window` tokens, as mlx-lm's RotatingKVCache does.
         start = 0 if self.window is None else max(0, self.offset - self.window)
         return self.table.pool.read(self.layer, self.table.slots(start, self.offset))
@@ -318,6 +353,8 @@ class PoolBackedCache(_OffsetTrim):
 
     def to_mlx_cache(self) -> KVCache | RotatingKVCache:
         """An equivalent stock mlx-lm cache holding a copy of this layer's K/V."""
+        if self._own is not None:
+            return copy.deepcopy(self._own)
         if self.window is None:
             c = KVCache()
         else:
@@ -344,7 +381,10 @@ class PoolBackedCache(_OffsetTrim):
         from .batch_cache import PoolBatchKVCache, PoolBatchRotatingKVCache
 
         first = caches[0]
-        if all(isinstance(c, PoolBackedCache) and c.table.pool is first.table.pool for c in caches):
+        if all(
+            isinstance(c, PoolBackedCache) and c.table.pool is first.table.pool and c._own is None
+            for c in caches
+        ):
             batch = PoolBatchKVCache if first.window is None else PoolBatchRotatingKVCache
             return batch.from_pool_caches(caches)
         stock = [c.to_mlx_cache() if isinstance(c, PoolBackedCache) else c for c in caches]

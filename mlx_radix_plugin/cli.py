@@ -68,8 +68,17 @@ def serve(config_file, plugins, server_args, **options):
     overrides = {SERVE_OPTIONS[k]: v for k, v in options.items() if v is not None}
     _config_or_exit(cli=overrides, path=config_file)  # fail before anything starts
     plugin.configure(overrides, config_file)
+    server_args = list(server_args)
+    if not any(a == "--model" or a.startswith("--model=") for a in server_args):
+        from .default_model import DefaultModelError, default_model_path
+
+        try:
+            server_args += ["--model", str(default_model_path())]
+        except DefaultModelError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
     try:
-        run_server(["radix", *plugins], list(server_args))
+        run_server(["radix", *plugins], server_args)
     except UnknownPlugin as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -127,6 +136,18 @@ def plugins_command():
     from mlx_lm_hooks.plugins import describe
 
     click.echo(json.dumps(describe(), indent=2))
+
+
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,  # --help reaches the benchmark's own command
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args):
+    """Benchmark against stock mlx_lm.server, side by side (`mlx-radix bench --help`)."""
+    from .bench import command  # imports MLX: only when benchmarking
+
+    command.main(list(args), prog_name="mlx-radix bench")
 
 
 def _blas_note() -> str | None:
@@ -215,6 +236,37 @@ def _model_report(model_path, cfg, mem) -> dict:
     except OutOfPages as e:
         out["pool_tokens"] = f"none: {e}"
     return out
+
+
+@cli.command()
+@click.option("--model", "model_path", required=True, help="Model directory or hub name.")
+@click.option(
+    "--minutes", type=click.FloatRange(min=0, min_open=True), default=2.0, help="How long."
+)
+@click.option("--clients", type=click.IntRange(min=1), default=16, help="Concurrent clients.")
+@click.option(
+    "--pool-tokens", type=click.IntRange(min=1), default=1024, help="Small, so eviction runs."
+)
+@click.option("--page-size", type=click.IntRange(min=1), default=4, help="Tokens per KV page.")
+@click.option("--check-every", type=click.FloatRange(min=1), default=10.0, help="Seconds.")
+@click.option("--seed", type=int, default=0, help="Seed of the clients' requests.")
+def soak(model_path, minutes, clients, pool_tokens, page_size, check_every, seed):
+    """Concurrent clients against mlx_lm.server --plugin radix, invariants checked as it
+    runs; one line of verdict, exit status 0 if everything held."""
+    from .soak import lines, soak_server
+
+    report = soak_server(
+        model_path,
+        minutes,
+        clients=clients,
+        pool_tokens=pool_tokens,
+        page_size=page_size,
+        seed=seed,
+        check_every=check_every,
+    )
+    for line in lines(report):
+        click.echo(line)
+    sys.exit(1 if report.violations else 0)
 
 
 def build_cli(pm=None) -> click.Group:

@@ -26,6 +26,14 @@ METRICS = {
         "Cached pages no request holds (evictable).",
     ),
     "cached_sequences": ("mlx_radix_cached_sequences", "gauge", "Distinct cached sequences."),
+    "pages_cached": ("mlx_radix_pages_cached", "gauge", "Pages the radix tree holds."),
+    "page_refs": ("mlx_radix_page_refs", "gauge", "References to pages, tree and requests."),
+    "tree_locks": ("mlx_radix_tree_locks", "gauge", "Prefix locks held by requests."),
+    "requests_holding_pages": (
+        "mlx_radix_requests_holding_pages",
+        "gauge",
+        "Requests holding pool pages.",
+    ),
 }
 
 

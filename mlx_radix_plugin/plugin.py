@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import sys
 from collections import Counter
 from typing import Any
@@ -35,6 +37,17 @@ def check_mlx_lm_version() -> None:
         )
 
 
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is this machine's loopback (127.0.0.0/8, ::1)."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return False
+    # An IPv6 address may carry a scope ("fe80::1%eth0"), which ipaddress does not parse.
+    addresses = {info[4][0].split("%")[0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+
+
 class RadixPlugin:
     def __init__(self):
         self.cli_overrides: dict[str, Any] = {}
@@ -56,8 +69,12 @@ class RadixPlugin:
         except ConfigError as e:
             exit_with_usage_error(str(e))
         logging.getLogger("mlx_radix").setLevel(self.config["log_level"])
-        if cli_args.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("serving on %s: reachable from other machines", cli_args.host)
+        if not is_loopback(cli_args.host):
+            log.warning(
+                "serving on %s: reachable from other machines, and mlx_lm.server has no "
+                "authentication (the default --host 127.0.0.1 is not reachable)",
+                cli_args.host,
+            )
 
     @hookimpl
     def mlx_lm_prompt_cache(self, cli_args):

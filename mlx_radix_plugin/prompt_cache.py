@@ -36,10 +36,14 @@ def _locked(method):
     return run
 
 
+# Who holds pages: all zero, and page_refs == pages_cached, once no request runs.
+HOLDERS = ("pages_cached", "page_refs", "tree_locks", "requests_holding_pages")
+
+
 def idle_stats(page_size: int, fallback: str | None) -> dict:
     """What ``RadixPromptCache.stats`` shows, for a server with no pool."""
     pool_keys = ("pool_bytes_used", "pool_bytes_total", "pages_total", "pages_free")
-    pages = ("pages_locked", "pages_evictable", "cached_sequences")
+    pages = ("pages_locked", "pages_evictable", "cached_sequences", *HOLDERS)
     return {
         **asdict(CacheCounters()),
         **dict.fromkeys(pool_keys + pages, 0),
@@ -68,6 +72,7 @@ class RadixPromptCache:
         # this on (engine.RadixBatchGenerator does).
         self.share_inflight = False
         self._inflight: weakref.WeakSet[PageTable] = weakref.WeakSet()
+        self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()  # every fetched table
         pool.reclaim = self._evict
 
     # -- the LRUPromptCache interface ---------------------------------------------
@@ -125,6 +130,7 @@ class RadixPromptCache:
         except OutOfPages:
             pass  # allocated as the prefill goes, evicting then
         self._inflight.add(table)
+        self._tables.add(table)
         c = self.counters
         c.prompt_tokens += len(tokens)
         c.cached_tokens += n
@@ -158,7 +164,8 @@ class RadixPromptCache:
             table = first.table
             if table.released or any(getattr(c, "table", None) is not table for c in prompt_cache):
                 return
-            n = min(min(c.offset for c in prompt_cache), len(tokens))
+            # Only what reached the pool: a request that ran out of pages went on privately.
+            n = min(min(c.offset for c in prompt_cache), len(tokens), table.written)
             prompt = table.tokens or []
             if list(tokens[: len(prompt)]) != prompt[: len(tokens)]:
                 # Not the tokens this table's pages hold: committing would file K/V
@@ -219,6 +226,13 @@ class RadixPromptCache:
             "pages_evictable": evictable,
             "page_size": self.pool.page_size,
             "cached_sequences": len(self),
+            "pages_cached": self.tree.total_pages,
+            "page_refs": alloc.total_refs,
+            "tree_locks": self.tree.locks,
+            # Fetched and not yet given back, on purpose or by a dropped reference whose
+            # release is queued for the generation thread.
+            "requests_holding_pages": sum(not t.released for t in self._tables)
+            + self.pool.deferred,
         }
 
     # -- internals -----------------------------------------------------------------

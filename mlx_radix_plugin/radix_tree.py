@@ -71,6 +71,7 @@ class RadixTree:
     _clock: itertools.count = field(default_factory=itertools.count, repr=False)
     evictable_pages: int = 0
     protected_pages: int = 0
+    locks: int = 0  # lock() calls not yet undone: one per request holding a prefix
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -204,6 +205,7 @@ class RadixTree:
 
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction."""
+        self.locks += 1
         while not node.is_root:
             if node.lock_ref == 0:
                 self.evictable_pages -= len(node.pages)
@@ -212,6 +214,7 @@ class RadixTree:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
+        self.locks -= 1
         while not node.is_root:
             if node.lock_ref <= 0:
                 raise RuntimeError("unlock of a node that is not locked")

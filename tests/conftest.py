@@ -9,6 +9,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The installed start-up file (mlx_lm_hooks.pth) imported mlx_lm_hooks from site-packages
+# before pytest put this checkout on sys.path: forget it, so tests import the checkout's.
+for _name in [m for m in sys.modules if m.split(".")[0] == "mlx_lm_hooks"]:
+    if not sys.modules[_name].__file__.startswith(str(Path(__file__).parent.parent)):
+        del sys.modules[_name]
+
 from tiny_models import ARCHS, build_model  # noqa: E402
 
 

@@ -159,6 +159,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.alloc.num_free == self.NUM_PAGES - len(self.refs)
         for p in range(self.NUM_PAGES):
             assert self.alloc.refcount(p) == self.refs.get(p, 0)
+        assert self.alloc.total_refs == sum(self.refs.values())
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase

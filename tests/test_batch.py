@@ -48,10 +48,9 @@ def run_batch(
         for r in responses:
             out[r.uid].append(r.token)
             if r.finish_reason is not None:
-                finished[r.uid] = (r.all_tokens, r.prompt_cache)
-    if rpc is not None:
-        for tokens, cache in finished.values():
-            rpc.insert_cache(KEY, tokens, cache)
+                finished[r.uid] = True
+                if rpc is not None:
+                    rpc.insert_cache(KEY, r.all_tokens, r.prompt_cache)
     gen.close()
     return [out[u] for u in uids]
 

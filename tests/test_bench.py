@@ -1,11 +1,19 @@
-"""The benchmark harness and its random models (function, not speed: no timing asserted)."""
+"""The benchmark harness end to end and its random models (function, not speed: no timing
+asserted)."""
 
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from mlx_lm import load
 
-from mlx_radix_plugin import bench
+from mlx_radix_plugin.bench_report import RATIO_KEYS
+from mlx_radix_plugin.bench_workloads import PRESETS, WORKLOADS
+from mlx_radix_plugin.cli import cli
 from mlx_radix_plugin.random_model import SHAPES, build, words
 
 SMALL = dict(
@@ -16,6 +24,22 @@ SMALL = dict(
     num_key_value_heads=2,
     vocab_size=600,
 )
+# layers x (K, V) x KV heads x head dim x float32 bytes
+SMALL_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * (64 // 4) * 4
+
+SUMMARY_KEYS = {
+    "wall_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "prompt_tokens",
+    "cached_tokens",
+    "prompt_tokens_computed",
+    "stats_prompt_tokens_computed",
+    "completion_tokens",
+    "tokens_per_s",
+    "cpu_s_per_token",
+    "peak_rss_bytes",
+}
 
 
 def test_random_model_tokenizer_is_one_word_per_token(tmp_path):
@@ -33,34 +57,73 @@ def test_unknown_shape_is_named(tmp_path):
         build("gpt-9", tmp_path)
 
 
+def test_bad_model_choices_are_named(tmp_path):
+    r = CliRunner().invoke(cli, ["bench", "--model", str(tmp_path)])
+    assert r.exit_code == 2
+    assert f"'{tmp_path}' is not an mlx-lm model directory (no config.json)" in r.output
+    r = CliRunner().invoke(cli, ["bench", "--model", str(tmp_path), "--random", "smollm2-135m"])
+    assert r.exit_code == 2 and "pass --model or --random, not both" in r.output
+    r = CliRunner().invoke(cli, ["bench", "--preset", "huge"])
+    assert r.exit_code == 2 and "'huge' is not one of 'smoke', 'small', 'medium'" in r.output
+
+
+def test_module_entry_point_is_the_same_command():
+    cmd = [sys.executable, "-m", "mlx_radix_plugin.bench", "--help"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert r.returncode == 0
+    assert "Usage: python -m mlx_radix_plugin.bench [OPTIONS]" in r.stdout
+    assert "--preset [smoke|small|medium]" in r.stdout
+
+
 @pytest.mark.slow
-def test_bench_runs_both_servers_and_reports_ratios(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_smoke_preset_runs_both_servers_and_reports_every_field(tmp_path):
     model = build("smollm2-135m", tmp_path / "m", **SMALL)
-    out = tmp_path / "report.json"
-    argv = [
-        "--model",
-        str(model),
-        "--batch",
-        "3",
-        "--prefix",
-        "48",
-        "--max-tokens",
-        "4",
-        "--rounds",
-        "1",
-        "--pool-tokens",
-        "2048",
-        "--json",
-        str(out),
-    ]
-    assert bench.main(argv) == 0
+    out = tmp_path / "results" / "smoke.json"
+    argv = ["bench", "--preset", "smoke", "--model", str(model), "--ban-eos", "--json", str(out)]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
+
+    assert report["preset"] == "smoke" and report["eos_banned"] is True
     assert report["greedy_outputs_match"] is True
-    computed = report["burst_prompt_tokens_computed"]
-    # The plugin computes the shared prefix once (stock's count depends on whether a
-    # request finished before the next arrived, with a model this small).
-    assert 48 + 3 * 16 <= computed["radix"] <= 48 + 3 * 16 + 3 * 16
-    assert computed["stock"] <= 3 * (48 + 16)
-    assert {r["server"] for r in report["results"]} == {"stock", "radix"}
-    assert report["decode_tokens_per_s_ratio"] > 0 and report["burst_ttft_mean_speedup"] > 0
+    assert set(report["workloads"]) == set(WORKLOADS)
+    for name, w in report["workloads"].items():
+        for server in ("stock", "radix"):
+            assert SUMMARY_KEYS <= set(w[server]), (name, server)
+            assert w[server]["peak_rss_bytes"] > 0 and w[server]["tokens_per_s"] > 0
+        assert w["stock"]["stats_prompt_tokens_computed"] is None  # stock has no stats
+        assert w["radix"]["stats_prompt_tokens_computed"] is not None
+        assert set(w["ratios"]) == set(RATIO_KEYS)
+        assert w["greedy_outputs_match"] is True, name
+    assert all(report["peak_rss_bytes"][s] > 0 for s in ("stock", "radix"))
+
+    sizes = {w.name: w for w in PRESETS["smoke"].workloads}
+    a = report["acceptance"]
+    assert len(a["decode_ratios_by_round"]) == sizes["decode"].rounds
+    assert a["decode_tokens_per_s_ratio"] > 0 and a["decode_cpu_s_per_token_ratio"] > 0
+    assert a["burst_ttft_mean_speedup"] > 0
+    burst = sizes["burst"]
+    computed = a["burst_prompt_tokens_computed"]
+    # The plugin computes the new prefix once (at most a page more per request when a
+    # question starts mid-page); stock, up to once per request.
+    once = burst.prefix_tokens + burst.requests * burst.question_tokens
+    assert once <= computed["radix"] <= once + burst.requests * 16
+    assert computed["stock"] <= burst.requests * (burst.prefix_tokens + burst.question_tokens)
+
+    # More prefixes than stock's 10 cache entries: the pool keeps every one.
+    rep, w = sizes["prefix_repetition"], report["workloads"]["prefix_repetition"]
+    hits = (rep.requests - rep.prefixes) * (rep.prefix_tokens // 16 * 16)
+    assert w["radix"]["stats_cached_tokens"] >= hits > w["stock"]["cached_tokens"]
+
+    memory = report["workloads"]["memory"]
+    assert memory["kv_bytes_per_token"] == SMALL_KV_BYTES_PER_TOKEN
+    assert memory["kv_bytes_unshared"] > 0 and memory["kv_bytes_held_peak"] is not None
+
+    for name in WORKLOADS:
+        assert f"\n{name} " in result.output
+    assert "greedy outputs identical: yes" in result.output
+    assert f"report: {out}" in result.output
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "results" / "smoke-workloads.png").exists()
+    else:
+        assert "charts: skipped, matplotlib is not installed" in result.output

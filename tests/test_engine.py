@@ -169,3 +169,37 @@ def test_a_full_pool_never_stops_the_batch(loaded, caplog):
     assert stats["pages_locked"] == 0
     assert stats["pages_free"] + stats["pages_evictable"] == stats["pages_total"]
     assert 0 < stats["pool_bytes_used"] <= rpc.pool.nbytes
+
+
+def test_a_request_that_cannot_fit_yet_waits_for_pages(loaded, caplog):
+    """Its prompt's pages are reserved once the running request gives its pages back."""
+    caplog.set_level("WARNING", logger="mlx_radix")
+    model, tok = loaded("llama")
+    prompts = [
+        tok.encode(f"Tale {i}: once upon a time a fox met a dog by the river.") for i in (1, 2)
+    ]
+    longest = max(len(p) for p in prompts) + 8
+    expected = run_batch(model, tok, prompts, max_tokens=8)
+    rpc = radix(model, tokens=-(-longest // PS) * PS + PS)  # room for one request at a time
+    assert run_batch(model, tok, prompts, rpc, max_tokens=8, engine=True) == expected
+    # Neither ran out of pages: the second waited rather than running uncached.
+    assert "KV pool" not in caplog.text
+    for p in prompts[1:]:
+        caches, rest = rpc.fetch_nearest_cache(KEY, p)
+        assert len(rest) == 1  # its whole prompt was cached
+        rpc.insert_cache(KEY, p, caches)
+    assert rpc.stats()["pages_locked"] == 0
+
+
+def test_a_prompt_larger_than_the_pool_is_served_uncached(loaded, caplog):
+    caplog.set_level("WARNING", logger="mlx_radix")
+    model, tok = loaded("llama")
+    prompts = [tok.encode("A long story about foxes, dogs, rivers and hills. " * 4)]
+    expected = run_batch(model, tok, prompts, max_tokens=6)
+    rpc = radix(model, tokens=4 * PS)
+    assert len(prompts[0]) > 4 * PS
+    assert run_batch(model, tok, prompts, rpc, max_tokens=6, engine=True) == expected
+    assert "KV pool too small for a" in caplog.text
+    stats = rpc.stats()
+    assert stats["pages_locked"] == 0
+    assert stats["pages_free"] + stats["pages_evictable"] == stats["pages_total"]

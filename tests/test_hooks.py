@@ -1,6 +1,7 @@
 """The plugin host: specs, manager, call sites in a real mlx_lm.server, start-up shim."""
 
 import ast
+import http.client
 import inspect
 import json
 import sys
@@ -91,7 +92,7 @@ def test_plugin_routes_and_stock_routes_side_by_side(probe_server):
     assert probe_server.get("/nowhere")[0] == 404
     status, body = probe_server.get("/probe/boom")
     assert status == 500 and "Traceback" not in body and "ZeroDivision" not in body
-    conn = probe_server._conn()
+    conn = http.client.HTTPConnection("127.0.0.1", probe_server.port, timeout=60)
     conn.request("POST", "/probe/echo", b"ping")
     r = conn.getresponse()
     assert (r.status, r.read()) == (200, b"ping")

@@ -8,7 +8,6 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_generation import KEY, generate
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
-from mlx_radix_plugin.allocator import OutOfPages
 
 PS = 4
 
@@ -33,6 +32,15 @@ def balanced(stats):
     return (
         stats["pages_free"] + stats["pages_locked"] + stats["pages_evictable"]
         == stats["pages_total"]
+    )
+
+
+def idle(stats):
+    """No request holds anything: the tree alone references its pages, once each."""
+    return (
+        balanced(stats)
+        and stats["pages_locked"] == stats["tree_locks"] == stats["requests_holding_pages"] == 0
+        and stats["page_refs"] == stats["pages_cached"] == stats["pages_evictable"]
     )
 
 
@@ -91,7 +99,7 @@ def test_dropped_caches_release_their_locks(llama):
     del cache  # a client disconnect: the server drops the cache without inserting it
     gc.collect()
     stats = rpc.stats()
-    assert stats["pages_locked"] == 0 and balanced(stats)
+    assert idle(stats)
     assert stats["pages_evictable"] == rpc.tree.total_pages
 
 
@@ -111,14 +119,32 @@ def test_eviction_keeps_serving_under_pressure(llama):
     assert rpc.counters.evictions > 0 and rpc.counters.hits == 12
 
 
-def test_prompt_larger_than_the_pool_fails_clearly(llama):
+def test_prompt_larger_than_the_pool_is_served_uncached(llama, caplog):
+    """The one-request path keeps such a request's K/V privately, as mlx-lm's cache does."""
+    caplog.set_level("WARNING", logger="mlx_radix")
     model, tok = llama
     rpc = radix(model, pool_tokens=4 * PS)
-    cache, rest = rpc.fetch_nearest_cache(KEY, list(range(10, 60)))
-    with pytest.raises(OutOfPages, match=r"asked for \d+ pages, 4 of 4 free"):
-        generate(model, tok, rest, cache)
-    del cache
-    assert rpc.stats()["pages_free"] == 4
+    prompt = list(range(10, 60))
+    cache, rest = rpc.fetch_nearest_cache(KEY, prompt)
+    out = generate(model, tok, rest, cache)
+    assert out == generate(model, tok, prompt)
+    assert "KV pool full: request goes on uncached from 0 tokens" in caplog.text
+    rpc.insert_cache(KEY, prompt + out, cache)  # nothing reached the pool: nothing cached
+    assert idle(rpc.stats()) and rpc.stats()["pages_free"] == 4
+
+
+def test_running_out_of_pages_mid_request_caches_what_was_written(llama):
+    model, tok = llama
+    rpc = radix(model, pool_tokens=4 * PS)
+    prompt = list(range(10, 10 + 3 * PS))
+    cache, rest = rpc.fetch_nearest_cache(KEY, prompt)
+    out = generate(model, tok, rest, cache)  # runs past the 4 pages there are
+    assert out == generate(model, tok, prompt)
+    rpc.insert_cache(KEY, prompt + out, cache)
+    stats = rpc.stats()
+    assert idle(stats) and stats["pages_cached"] == 4
+    cache, rest = rpc.fetch_nearest_cache(KEY, prompt + out)
+    assert len(rest) == len(prompt + out) - 4 * PS
 
 
 def test_trim_to_evicts_unlocked_sequences(llama):

@@ -536,6 +536,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                 n = n.parent
         for n in self.tree.nodes():
             assert n.lock_ref == expected.get(id(n), 0)
+        assert self.tree.locks == len(self.held)
 
     @invariant()
     def structure(self) -> None:

@@ -5,6 +5,12 @@ that it looks up at call time (``ModelProvider``, ``LRUPromptCache``,
 ``BatchGenerator``, ``ResponseGenerator``, ``_run_http_server``) for versions that
 call the hooks and otherwise behave exactly as stock. No request handling is
 copied; every stock endpoint keeps working.
+
+Where stock 0.32.2 breaks under pressure, the versions here hold, for every plugin: an
+empty prompt ends stock's generation thread (``insert_segments`` raises outside any try),
+so it is refused with HTTP 400, as are a prompt longer than the model's context and one
+the tokenizer rejects (stock: 404); stock's listen backlog of 5 resets connections when
+more clients connect at once; a client hanging up mid-stream no longer prints a traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 import pluggy
@@ -33,6 +40,32 @@ class RequestRecord:
     generated_tokens: int
     finish_reason: str | None  # "stop", "length", "disconnect", "error" or None
     seconds: float
+
+
+class RequestRefused(ValueError):
+    """A request the server will not run; the client gets HTTP 400 and this message."""
+
+
+class ModelUnavailable(LookupError):
+    """The model a request names cannot be loaded; the client gets HTTP 404 (as stock)."""
+
+
+def context_length(model: object) -> int | None:
+    """Most tokens ``model`` reads, from its config (None when the config does not say).
+
+    ``max_position_embeddings`` is sometimes the length before RoPE scaling (Qwen's YaRN)
+    and sometimes after it (Llama 3.1): the larger of the two readings is used, so that a
+    prompt a model can read is never refused.
+    """
+    args = getattr(model, "args", None)
+    limit = getattr(args, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return None
+    scaling = getattr(args, "rope_scaling", None)
+    if isinstance(scaling, dict) and isinstance(scaling.get("factor"), (int, float)):
+        original = scaling.get("original_max_position_embeddings") or limit
+        limit = max(limit, int(original * scaling["factor"]))
+    return limit
 
 
 class _Installed:
@@ -93,7 +126,16 @@ def _model_provider_class(stock):
             _hook().mlx_lm_server_start(cli_args=cli_args)
 
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
-            super()._load(model_path, adapter_path, draft_model_path)
+            try:
+                super()._load(model_path, adapter_path, draft_model_path)
+            except Exception as e:
+                # The request's answer (HTTP 404) names what it asked for.
+                raise ModelUnavailable(
+                    f"model {model_path!r}"
+                    + (f" with adapter {adapter_path!r}" if adapter_path else "")
+                    + (f" and draft model {draft_model_path!r}" if draft_model_path else "")
+                    + f" could not be loaded: {e}"
+                ) from e
             _hook().mlx_lm_model_loaded(
                 model=self.model,
                 tokenizer=self.tokenizer,
@@ -122,6 +164,24 @@ def _batch_generator(model, **kwargs):
 
 def _response_generator_class(stock):
     class ResponseGenerator(stock):
+        def _tokenize(self, tokenizer, request, args):
+            # Runs on the generation thread, inside the try that turns an exception into
+            # this request's error; what is refused here never reaches insert_segments.
+            try:
+                prompt, *rest = super()._tokenize(tokenizer, request, args)
+            except (TypeError, ValueError) as e:
+                # A prompt that is no string, an empty conversation: the request's fault.
+                raise RequestRefused(str(e)) from e
+            if not prompt:
+                raise RequestRefused("the prompt is empty: send at least one token of text")
+            limit = context_length(self.model_provider.model)
+            if limit is not None and len(prompt) > limit:
+                raise RequestRefused(
+                    f"the prompt is {len(prompt)} tokens long; this model reads at most "
+                    f"{limit} (max_position_embeddings in its config)"
+                )
+            return (prompt, *rest)
+
         def generate(self, request, generation_args, progress_callback=None):
             ctx, responses = super().generate(request, generation_args, progress_callback)
             return ctx, self._observed(ctx, responses)
@@ -186,6 +246,21 @@ def _handler_class():
             self.wfile.write(payload)
             return True
 
+        def _set_completion_headers(self, status_code: int = 200):
+            # Stock answers 404 to whatever stops a request before its first token; a
+            # refused request is the client's error. It is the exception being handled.
+            if status_code == 404 and isinstance(sys.exc_info()[1], RequestRefused):
+                status_code = 400
+            super()._set_completion_headers(status_code)
+
+        def handle_completion(self, request, stop_words):
+            try:
+                super().handle_completion(request, stop_words)
+            except (BrokenPipeError, ConnectionResetError):
+                # The client hung up; stock has already told the generation thread to stop.
+                self.close_connection = True
+                log.info("client %s hung up before its response ended", self.client_address[0])
+
         def do_GET(self):
             if not self._plugin_route("GET"):
                 super().do_GET()
@@ -197,12 +272,21 @@ def _handler_class():
     return APIHandler
 
 
+class HTTPServer(ThreadingHTTPServer):
+    # socketserver's default backlog of 5 resets connections beyond it: 16 clients
+    # connecting at once lose some. The kernel caps this at its own somaxconn.
+    request_queue_size = 128
+
+
 def _run_http_server(host, port, response_generator, server_class=None, handler_class=None):
     stock = _Installed.stock["_run_http_server"]
-    kwargs = {"handler_class": _handler_class()}
-    if server_class is not None:
-        kwargs["server_class"] = server_class
-    return stock(host, port, response_generator, **kwargs)
+    return stock(
+        host,
+        port,
+        response_generator,
+        server_class=server_class or HTTPServer,
+        handler_class=_handler_class(),
+    )
 
 
 def serve(plugin_names: list[str], argv: list[str] | None = None, pm=None):

@@ -1,0 +1,353 @@
+"""The benchmark's report: per-workload totals of each server, radix/stock ratios, the
+terminal table, the JSON file and PNG charts.
+
+Everything after ``compare`` works on the JSON-shaped report alone, so a saved report
+renders the same table and charts again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from .bench_workloads import Run, Workload
+
+SERVERS = ("stock", "radix")
+# Ratios are radix / stock: below 1 is better for times, tokens computed and memory,
+# above 1 for cached tokens and tokens/s.
+RATIO_KEYS = (
+    "wall_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "prompt_tokens_computed",
+    "cached_tokens",
+    "tokens_per_s",
+    "cpu_s_per_token",
+    "peak_rss_bytes",
+)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` rounded, or None when either is missing or ``b`` is 0."""
+    if a is None or not b:
+        return None
+    return round(a / b, 3)
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of already sorted values."""
+    if not sorted_values:
+        return None
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+def _cached(usage: dict) -> int:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def _sum_or_none(values: list) -> float | None:
+    return None if any(v is None for v in values) else sum(values)
+
+
+def summarize(runs: list[Run]) -> dict:
+    """One server's totals over its runs of one workload."""
+    replies = [r for run in runs for r in run.replies.values()]
+    prompt = sum(r.usage["prompt_tokens"] for r in replies)
+    cached = sum(_cached(r.usage) for r in replies)
+    completion = sum(r.usage["completion_tokens"] for r in replies)
+    wall = sum(run.wall_s for run in runs)
+    ttft = sorted(r.ttft_s for r in replies if r.ttft_s is not None)
+    cpu = _sum_or_none([run.cpu_s for run in runs])
+    stats_prompt = _sum_or_none([run.stats_prompt_tokens for run in runs])
+    stats_cached = _sum_or_none([run.stats_cached_tokens for run in runs])
+    peaks = [run.peak_rss_bytes for run in runs if run.peak_rss_bytes is not None]
+    return {
+        "runs": len(runs),
+        "requests": len(replies),
+        "wall_s": round(wall, 3),
+        "ttft_p50_s": _round(percentile(ttft, 0.5)),
+        "ttft_p95_s": _round(percentile(ttft, 0.95)),
+        "ttft_mean_s": _round(statistics.fmean(ttft) if ttft else None),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prompt_tokens_computed": prompt - cached,
+        "stats_prompt_tokens_computed": (
+            None if stats_prompt is None else stats_prompt - stats_cached
+        ),
+        "stats_cached_tokens": stats_cached,
+        "completion_tokens": completion,
+        "tokens_per_s": round(completion / wall, 2) if wall else None,
+        "cpu_s": _round(cpu),
+        "cpu_s_per_token": _round(cpu / completion if cpu is not None and completion else None, 5),
+        "peak_rss_bytes": max(peaks) if peaks else None,
+    }
+
+
+def _round(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def compare(workload: Workload, runs: dict[str, list[Run]]) -> dict:
+    """Both servers' totals on ``workload``, their ratios, and whether outputs matched.
+
+    ``runs[server][i]`` is the i-th repeat; repeats of the same index got the same requests.
+    """
+    out: dict = {"params": workload.params()}
+    for server in SERVERS:
+        out[server] = summarize(runs[server])
+    out["ratios"] = {k: ratio(out["radix"][k], out["stock"][k]) for k in RATIO_KEYS}
+    mismatched = sum(
+        s.replies[key].text != r.replies[key].text
+        for s, r in zip(runs["stock"], runs["radix"])
+        for key in s.replies
+    )
+    out["greedy_outputs_match"] = mismatched == 0
+    out["mismatched_requests"] = mismatched
+    if workload.repeats > 1:
+        rounds = [
+            {
+                "stock_tokens_per_s": summarize([s])["tokens_per_s"],
+                "radix_tokens_per_s": summarize([r])["tokens_per_s"],
+            }
+            for s, r in zip(runs["stock"], runs["radix"])
+        ]
+        for rd in rounds:
+            rd["tokens_per_s_ratio"] = ratio(rd["radix_tokens_per_s"], rd["stock_tokens_per_s"])
+        out["by_round"] = rounds
+        out["tokens_per_s_ratio_median"] = _round(
+            statistics.median(rd["tokens_per_s_ratio"] for rd in rounds)
+        )
+    if workload.poll_pool:
+        last = runs["radix"][-1]
+        per_token = last.pool_bytes_per_token
+        radix = out["radix"]
+        out["kv_bytes_per_token"] = per_token
+        out["kv_bytes_held_peak"] = last.kv_bytes_held_peak
+        # The same tokens' K/V stored once per request, as stock's per-request caches hold it.
+        out["kv_bytes_unshared"] = (
+            None
+            if per_token is None
+            else round(per_token * (radix["prompt_tokens"] + radix["completion_tokens"]))
+        )
+    return out
+
+
+def acceptance(workloads: dict[str, dict]) -> dict:
+    """Issue 4's numbers: decode tokens/s ratio (median over alternating rounds), server CPU
+    seconds per token (stock / radix: above 1, the plugin spends less), burst TTFT speedup
+    (stock / radix mean) and prompt tokens each server computed for the burst."""
+    out: dict = {}
+    if "decode" in workloads:
+        d = workloads["decode"]
+        rounds = d.get("by_round") or [
+            {
+                "stock_tokens_per_s": d["stock"]["tokens_per_s"],
+                "radix_tokens_per_s": d["radix"]["tokens_per_s"],
+                "tokens_per_s_ratio": d["ratios"]["tokens_per_s"],
+            }
+        ]
+        out.update(
+            decode_batch=d["params"]["batch"],
+            decode_tokens_per_s_ratio=_round(
+                statistics.median(r["tokens_per_s_ratio"] for r in rounds)
+            ),
+            decode_ratios_by_round=[r["tokens_per_s_ratio"] for r in rounds],
+            decode_tokens_per_s={
+                s: _round(statistics.median(r[f"{s}_tokens_per_s"] for r in rounds), 2)
+                for s in SERVERS
+            },
+            decode_cpu_s_per_token_ratio=ratio(
+                d["stock"]["cpu_s_per_token"], d["radix"]["cpu_s_per_token"]
+            ),
+        )
+    if "burst" in workloads:
+        b = workloads["burst"]
+        computed = {}
+        for s in SERVERS:
+            # The plugin's own counters where the server has them, else usage.
+            stats = b[s]["stats_prompt_tokens_computed"]
+            computed[s] = stats if stats is not None else b[s]["prompt_tokens_computed"]
+        out.update(
+            burst_requests=b["params"]["requests"],
+            burst_prefix_tokens=b["params"]["prefix_tokens"],
+            burst_ttft_mean_speedup=ratio(b["stock"]["ttft_mean_s"], b["radix"]["ttft_mean_s"]),
+            burst_prompt_tokens_computed={
+                **computed,
+                "shared_prefix": b["params"]["prefix_tokens"],
+            },
+        )
+    return out
+
+
+def build_report(meta: dict, workloads: dict[str, dict], startup_rss: dict[str, int | None]):
+    """The whole report: ``meta`` (model, preset, machine ...), each workload's comparison,
+    issue 4's numbers, each server's peak memory over the run, and overall output match."""
+    peaks = {}
+    for s in SERVERS:
+        values = [startup_rss.get(s)] + [w[s]["peak_rss_bytes"] for w in workloads.values()]
+        values = [v for v in values if v is not None]
+        peaks[s] = max(values) if values else None
+    return {
+        **meta,
+        "workloads": workloads,
+        "acceptance": acceptance(workloads),
+        "peak_rss_bytes": peaks,
+        "greedy_outputs_match": all(w["greedy_outputs_match"] for w in workloads.values()),
+    }
+
+
+# -- terminal -----------------------------------------------------------------------
+
+COLUMNS = (
+    # header, summary key, format
+    ("wall s", "wall_s", "{:.2f}"),
+    ("TTFT p50", "ttft_p50_s", "{:.3f}"),
+    ("TTFT p95", "ttft_p95_s", "{:.3f}"),
+    ("computed", "prompt_tokens_computed", "{:d}"),
+    ("cached", "cached_tokens", "{:d}"),
+    ("tok/s", "tokens_per_s", "{:.1f}"),
+    ("peak MiB", "peak_rss_bytes", "mib"),
+)
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "mib":
+        return f"{value / 2**20:.0f}"
+    return fmt.format(value)
+
+
+def table(report: dict) -> str:
+    """Per workload: a row for each server and one of radix/stock ratios; then issue 4's
+    numbers and the memory workload's KV bytes."""
+    m = report["machine"]
+    title = (
+        f"mlx-radix bench, preset {report['preset']}, seed {report['seed']}: {report['model']}"
+        f" ({m['cpus']} CPUs, {m['blas'] or 'BLAS unknown'}, {report['duration_s']} s)"
+    )
+    head = ["workload", "server"] + [c[0] for c in COLUMNS] + ["outputs"]
+    rows = [head]
+    for name, w in report["workloads"].items():
+        for s in SERVERS:
+            cells = [_cell(w[s][key], fmt) for _, key, fmt in COLUMNS]
+            rows.append([name if s == "stock" else "", s, *cells, ""])
+        ratios = [
+            "-" if w["ratios"][k] is None else f"{w['ratios'][k]:.2f}x" for _, k, _ in COLUMNS
+        ]
+        match = "same" if w["greedy_outputs_match"] else f"{w['mismatched_requests']} differ"
+        rows.append(["", "radix/stock", *ratios, match])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [title, ""]
+    for i, r in enumerate(rows):
+        cells = [c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(r)]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("-" * len(lines[-1]))
+    lines += _notes(report)
+    return "\n".join(lines)
+
+
+def _notes(report: dict) -> list[str]:
+    out = [""]
+    a = report["acceptance"]
+    if "decode_tokens_per_s_ratio" in a:
+        rounds = " ".join(f"{r:.2f}" for r in a["decode_ratios_by_round"])
+        cpu = a["decode_cpu_s_per_token_ratio"]
+        out.append(
+            f"decode, {a['decode_batch']} concurrent: tokens/s radix/stock median "
+            f"{a['decode_tokens_per_s_ratio']:.2f}x (rounds: {rounds}); "
+            f"CPU s/token stock/radix {'-' if cpu is None else f'{cpu:.3f}'}"
+        )
+    if "burst_ttft_mean_speedup" in a:
+        c = a["burst_prompt_tokens_computed"]
+        speedup = a["burst_ttft_mean_speedup"]
+        out.append(
+            f"burst, {a['burst_requests']} on a new {a['burst_prefix_tokens']}-token prefix: "
+            f"TTFT mean speedup {'-' if speedup is None else f'{speedup:.2f}x'}; "
+            f"prompt tokens computed stock {c['stock']}, radix {c['radix']}"
+        )
+    m = report["workloads"].get("memory")
+    if m and m["kv_bytes_held_peak"] is not None:
+        p = m["params"]
+        out.append(
+            f"memory, {p['requests']} live on a {p['prefix_tokens']}-token prefix: the radix "
+            f"pool held {m['kv_bytes_held_peak'] / 2**20:.2f} MiB of K/V at peak; the same "
+            f"tokens stored per request: {m['kv_bytes_unshared'] / 2**20:.2f} MiB"
+        )
+    peaks = report["peak_rss_bytes"]
+    if all(peaks[s] is not None for s in SERVERS):
+        out.append(
+            f"peak memory ({report['peak_rss_method']}): stock {peaks['stock'] / 2**20:.0f} MiB, "
+            f"radix {peaks['radix'] / 2**20:.0f} MiB"
+        )
+    out.append(f"greedy outputs identical: {'yes' if report['greedy_outputs_match'] else 'NO'}")
+    return out
+
+
+# -- files --------------------------------------------------------------------------
+
+
+def write_json(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def write_charts(report: dict, stem: Path) -> list[Path]:
+    """``STEM-workloads.png`` (each server's wall time, TTFT p50, prompt tokens computed and
+    peak memory per workload) and ``STEM-ratios.png`` (radix/stock per workload).
+    Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    names = list(report["workloads"])
+    x = range(len(names))
+    panels = [
+        ("wall time (s)", "wall_s", 1),
+        ("TTFT p50 (s)", "ttft_p50_s", 1),
+        ("prompt tokens computed", "prompt_tokens_computed", 1),
+        ("peak memory (MiB)", "peak_rss_bytes", 2**20),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (title, key, scale) in zip(axes.flat, panels):
+        for i, s in enumerate(SERVERS):
+            values = [(report["workloads"][n][s][key] or 0) / scale for n in names]
+            ax.bar([j + (i - 0.5) * 0.4 for j in x], values, width=0.4, label=s)
+        ax.set_title(title)
+        ax.set_xticks(list(x), names, rotation=20)
+        ax.legend()
+    fig.suptitle(f"mlx-radix bench: {report['model']} ({report['preset']})")
+    fig.tight_layout()
+    workloads_png = stem.with_name(stem.name + "-workloads.png")
+    fig.savefig(workloads_png, dpi=100)
+    plt.close(fig)
+
+    series = [
+        ("wall time", "wall_s"),
+        ("TTFT p50", "ttft_p50_s"),
+        ("prompt tokens computed", "prompt_tokens_computed"),
+        ("tokens/s", "tokens_per_s"),
+    ]
+    fig, ax = plt.subplots(figsize=(12, 5))
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series):
+        # A missing ratio (nothing to divide by) leaves a gap: log scale has no 0.
+        values = [report["workloads"][n]["ratios"][key] or math.nan for n in names]
+        ax.bar([j + (i - len(series) / 2 + 0.5) * width for j in x], values, width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(list(x), names, rotation=20)
+    ax.set_title("radix / stock (below 1x: less time or compute; above 1x: more tokens/s)")
+    ax.legend()
+    fig.tight_layout()
+    ratios_png = stem.with_name(stem.name + "-ratios.png")
+    fig.savefig(ratios_png, dpi=100)
+    plt.close(fig)
+    return [workloads_png, ratios_png]

@@ -1,0 +1,190 @@
+"""An ``mlx_lm.server`` subprocess on 127.0.0.1 as the benchmark and the tests see it: its
+HTTP endpoints, and the CPU time and peak memory the process spends on a piece of work."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+LINUX = sys.platform.startswith("linux")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def event_text(event: dict) -> str:
+    """The text one streamed event carries: ``text`` of a completion, ``delta.content`` of a
+    chat completion."""
+    if not event.get("choices"):
+        return ""
+    choice = event["choices"][0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+class ServerProcess:
+    """An mlx_lm.server subprocess on 127.0.0.1, up once /health answers."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], port: int, log: Path, cwd=None):
+        self.cmd, self.env, self.port, self.log, self.cwd = cmd, env, port, log, cwd
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServerProcess:
+        self._out = open(self.log, "wb")
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, cwd=self.cwd, stdout=self._out, stderr=self._out
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server did not come up:\n{self.output()}")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
+
+    def output(self) -> str:
+        self._out.flush()
+        return self.log.read_text(errors="replace")
+
+    def _request(self, method: str, path: str, body: dict | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1800)
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+        return conn, conn.getresponse()
+
+    def get(self, path: str) -> tuple[int, str]:
+        conn, r = self._request("GET", path)
+        with contextlib.closing(conn):
+            return r.status, r.read().decode()
+
+    def post(self, path: str, body: dict) -> dict:
+        conn, r = self._request("POST", path, body)
+        with contextlib.closing(conn):
+            data = r.read().decode()
+        if r.status != 200:
+            raise RuntimeError(f"POST {path}: {r.status} {data}")
+        return json.loads(data)
+
+    def stream(self, path: str, body: dict, on_first=None) -> list[dict]:
+        """The JSON events of a streamed response; ``on_first()`` at the first text."""
+        conn, r = self._request("POST", path, {**body, "stream": True})
+        with contextlib.closing(conn):
+            if r.status != 200:
+                raise RuntimeError(f"POST {path}: {r.status} {r.read().decode()}")
+            events = []
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if on_first and event_text(event):
+                    on_first()
+                    on_first = None
+                events.append(event)
+        return events
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time the server has used (Linux), steadier than wall time
+        on a shared machine."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stats(self) -> dict | None:
+        """``/v1/cache/stats``, or None from a server without the plugin."""
+        status, body = self.get("/v1/cache/stats")
+        return json.loads(body) if status == 200 else None
+
+    def peak_rss(self, reset: bool = True) -> PeakRSS:
+        return PeakRSS(self.proc.pid, reset)
+
+
+class PeakRSS:
+    """The most resident memory a process held while the ``with`` block ran, in bytes.
+
+    Linux: the kernel's high-water mark (``VmHWM`` of ``/proc/PID/status``), reset on
+    entry by writing 5 to ``/proc/PID/clear_refs``; with ``reset=False``, or if the kernel
+    refuses the reset, the mark counts from the process's start (``method`` says so).
+    Elsewhere: ``ps -o rss=`` sampled every 50 ms, which can miss a shorter spike.
+    """
+
+    SAMPLE_S = 0.05
+
+    def __init__(self, pid: int, reset: bool = True):
+        self.pid, self.reset = pid, reset
+        self.bytes: int | None = None
+        self.method = "VmHWM" if LINUX else "ps rss sampled 50 ms"
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+
+    def __enter__(self) -> PeakRSS:
+        if self.method != "VmHWM":
+            self.bytes = _ps_rss(self.pid)
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
+            return self
+        try:
+            if self.reset:
+                Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+            else:
+                self.method = "VmHWM since start"
+        except OSError:
+            self.method = "VmHWM since start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._sampler is None:
+            self.bytes = _vm_hwm(self.pid)
+        else:
+            self._stop.set()
+            self._sampler.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.SAMPLE_S):
+            rss = _ps_rss(self.pid)
+            if rss is not None:
+                self.bytes = max(self.bytes or 0, rss)
+
+
+def _vm_hwm(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+    return None
+
+
+def _ps_rss(pid: int) -> int | None:
+    try:
+        out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True)
+        return int(out.stdout.strip()) * 1024  # KiB
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,475 @@
+"""The benchmark's workloads (DESIGN.md section 5), their seeded requests, and presets.
+
+A workload builds *clients*: functions that send requests one after another through a
+``send(key, path, body)`` callable and get the generated text back. Clients run
+concurrently; a workload's concurrency is its number of clients. Every request has a
+key, so the outputs of the two servers are compared request by request whatever order
+they finished in.
+
+Prompts are made of words that are one token each for the model's tokenizer, so a
+prompt of N words is N tokens and a shared prefix stays a token-exact shared prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field, fields
+from functools import partial
+from pathlib import Path
+from typing import ClassVar
+
+from .bench_server import ServerProcess, event_text
+
+Send = Callable[[Hashable, str, dict], str]
+Client = Callable[[Send], None]
+
+WORD = re.compile(r"[A-Za-z][A-Za-z0-9]{0,15}")
+
+
+class PromptError(ValueError):
+    """The model's tokenizer cannot give prompts of exact token counts."""
+
+
+def single_token_words(model_dir: Path, limit: int = 4096) -> list[str]:
+    """Up to ``limit`` words that each encode to one token, also when joined by spaces.
+
+    Read from the model's ``tokenizer.json`` in id order (common words first in BPE
+    vocabularies). A word qualifies when " w w" encodes to its id twice: then any
+    space-joined run of such words is exactly one token per word.
+    """
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.exists():
+        raise PromptError(f"{path} not found: the benchmark builds prompts from tokenizer.json")
+    tok = Tokenizer.from_file(str(path))
+    found: list[str] = []
+    for token_id in range(tok.get_vocab_size()):
+        word = tok.decode([token_id]).strip()
+        if not WORD.fullmatch(word):
+            continue
+        if tok.encode(f" {word} {word}", add_special_tokens=False).ids == [token_id] * 2:
+            found.append(word)
+            if len(found) == limit:
+                break
+    if len(found) < 64:
+        raise PromptError(
+            f"{path}: only {len(found)} words encode to one token each (64 needed); "
+            "the benchmark needs a tokenizer that splits on spaces (byte-level BPE, word-level)"
+        )
+    return found
+
+
+class Prompts(random.Random):
+    """Seeded text of exact token counts, the same for both servers."""
+
+    def __init__(self, seed: str, words: list[str]):
+        super().__init__(seed)
+        self.words = words
+
+    def text(self, tokens: int) -> str:
+        return "".join(" " + self.choice(self.words) for _ in range(tokens))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy requests, streamed with usage; ``logit_bias`` may ban EOS so random-weight
+    models generate full-length outputs."""
+
+    logit_bias: dict[str, float] = field(default_factory=dict)
+
+    def _common(self, max_tokens: int) -> dict:
+        body = {
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream_options": {"include_usage": True},
+        }
+        if self.logit_bias:
+            body["logit_bias"] = self.logit_bias
+        return body
+
+    def completion(self, prompt: str, max_tokens: int) -> tuple[str, dict]:
+        return "/v1/completions", {"prompt": prompt, **self._common(max_tokens)}
+
+    def chat(self, messages: list[dict], max_tokens: int) -> tuple[str, dict]:
+        return "/v1/chat/completions", {"messages": messages, **self._common(max_tokens)}
+
+
+def _pool(requests: list[tuple[Hashable, tuple[str, dict]]], concurrency: int) -> list[Client]:
+    """``concurrency`` clients taking the requests in order from one queue."""
+    queue = deque(requests)
+
+    def client(send: Send) -> None:
+        while True:
+            try:
+                key, (path, body) = queue.popleft()
+            except IndexError:
+                return
+            send(key, path, body)
+
+    return [client] * concurrency
+
+
+@dataclass(frozen=True)
+class Workload(ABC):
+    """Sizes of one workload; ``build`` turns them into clients for one server's run."""
+
+    name: ClassVar[str]
+    # Poll the plugin's pool while the workload runs, for the most K/V live requests held.
+    poll_pool: ClassVar[bool] = False
+
+    def params(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def repeats(self) -> int:
+        """Runs per server; the servers alternate which goes first each time."""
+        return 1
+
+    @property
+    @abstractmethod
+    def total_requests(self) -> int:
+        """Requests per run."""
+
+    @abstractmethod
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        """The clients of one run; the same ``p`` seed gives the same requests."""
+
+
+@dataclass(frozen=True)
+class SharedPrefix(Workload):
+    """SGLang's generated-shared-prefix: ``groups`` system prompts with ``questions``
+    questions each, shuffled, sent by ``concurrency`` clients."""
+
+    groups: int
+    questions: int
+    system_tokens: int
+    question_tokens: int
+    output_tokens: int
+    concurrency: int
+    name: ClassVar[str] = "shared_prefix"
+
+    @property
+    def total_requests(self) -> int:
+        return self.groups * self.questions
+
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        systems = [p.text(self.system_tokens) for _ in range(self.groups)]
+        reqs = [
+            ((g, q), s.completion(systems[g] + p.text(self.question_tokens), self.output_tokens))
+            for g in range(self.groups)
+            for q in range(self.questions)
+        ]
+        p.shuffle(reqs)
+        return _pool(reqs, self.concurrency)
+
+
+@dataclass(frozen=True)
+class Burst(Workload):
+    """``requests`` requests on one new prefix, sent at once: stock computes the prefix
+    once per request; the ideal is once."""
+
+    requests: int
+    prefix_tokens: int
+    question_tokens: int
+    output_tokens: int
+    name: ClassVar[str] = "burst"
+
+    @property
+    def total_requests(self) -> int:
+        return self.requests
+
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        prefix = p.text(self.prefix_tokens)
+        reqs = [
+            (i, s.completion(prefix + p.text(self.question_tokens), self.output_tokens))
+            for i in range(self.requests)
+        ]
+        return _pool(reqs, self.requests)
+
+
+@dataclass(frozen=True)
+class PrefixRepetition(Workload):
+    """``prefixes`` prefixes cycled over ``requests`` sequential requests. With more
+    prefixes than stock's 10 prompt-cache entries, its LRU order evicts each prefix
+    just before it comes round again; a pool that holds them all hits every time."""
+
+    prefixes: int
+    requests: int
+    prefix_tokens: int
+    question_tokens: int
+    output_tokens: int
+    name: ClassVar[str] = "prefix_repetition"
+
+    @property
+    def total_requests(self) -> int:
+        return self.requests
+
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        prefixes = [p.text(self.prefix_tokens) for _ in range(self.prefixes)]
+        reqs = []
+        for i in range(self.requests):
+            prompt = prefixes[i % self.prefixes] + p.text(self.question_tokens)
+            reqs.append((i, s.completion(prompt, self.output_tokens)))
+        return _pool(reqs, 1)
+
+
+@dataclass(frozen=True)
+class MultiTurn(Workload):
+    """``clients`` concurrent chats of ``rounds`` rounds on one system prompt; each round
+    sends the whole history (with the server's own earlier replies) and a new user turn."""
+
+    clients: int
+    rounds: int
+    system_tokens: int
+    turn_tokens: int
+    output_tokens: int
+    name: ClassVar[str] = "multi_turn"
+
+    @property
+    def total_requests(self) -> int:
+        return self.clients * self.rounds
+
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        system = p.text(self.system_tokens)
+        # Drawn here, not in the client threads, so both servers get the same turns.
+        turns = [
+            [p.text(self.turn_tokens) for _ in range(self.rounds)] for _ in range(self.clients)
+        ]
+
+        def chat(c: int, send: Send) -> None:
+            messages = [{"role": "system", "content": system}]
+            for r, turn in enumerate(turns[c]):
+                messages.append({"role": "user", "content": turn})
+                reply = send((c, r), *s.chat(list(messages), self.output_tokens))
+                messages.append({"role": "assistant", "content": reply})
+
+        return [partial(chat, c) for c in range(self.clients)]
+
+
+@dataclass(frozen=True)
+class Decode(Workload):
+    """``batch`` concurrent requests, short distinct prompts, long outputs: aggregate
+    generated tokens/s, run ``rounds`` times per server."""
+
+    batch: int
+    prompt_tokens: int
+    output_tokens: int
+    rounds: int
+    name: ClassVar[str] = "decode"
+
+    @property
+    def repeats(self) -> int:
+        return self.rounds
+
+    @property
+    def total_requests(self) -> int:
+        return self.batch
+
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        reqs = [
+            (i, s.completion(p.text(self.prompt_tokens), self.output_tokens))
+            for i in range(self.batch)
+        ]
+        return _pool(reqs, self.batch)
+
+
+@dataclass(frozen=True)
+class Memory(Workload):
+    """``requests`` live requests on one ``prefix_tokens``-token prefix: peak process
+    memory, and the KV bytes the plugin's pool holds meanwhile."""
+
+    requests: int
+    prefix_tokens: int
+    question_tokens: int
+    output_tokens: int
+    name: ClassVar[str] = "memory"
+    poll_pool: ClassVar[bool] = True
+
+    @property
+    def total_requests(self) -> int:
+        return self.requests
+
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        return Burst(**self.params()).build(p, s)
+
+
+@dataclass(frozen=True)
+class Preset:
+    workloads: tuple[Workload, ...]
+    pool_tokens: int  # the plugin's pool: room for the largest workload's prompts
+
+
+PRESETS: dict[str, Preset] = {
+    # CI: seconds on a tiny model, a few minutes on SmolLM2-135M on 2 CPU cores.
+    "smoke": Preset(
+        (
+            SharedPrefix(2, 4, 64, 8, 4, concurrency=4),
+            Burst(4, 64, 8, 4),
+            PrefixRepetition(12, 24, 32, 4, 2),
+            MultiTurn(2, 3, 32, 8, 4),
+            Decode(4, 8, 16, rounds=2),
+            Memory(8, 128, 8, 8),
+        ),
+        pool_tokens=4096,
+    ),
+    "small": Preset(
+        (
+            SharedPrefix(4, 4, 256, 32, 8, concurrency=4),
+            Burst(8, 500, 16, 8),
+            PrefixRepetition(12, 36, 128, 16, 4),
+            MultiTurn(4, 3, 128, 24, 16),
+            Decode(8, 32, 64, rounds=3),
+            Memory(8, 1024, 16, 16),
+        ),
+        pool_tokens=8192,
+    ),
+    # DESIGN.md's baselines: shared prefix 4 x 8 of ~600 tokens, burst of 8 on a new
+    # 500-token prefix, decode of 8 x 128 tokens over 5 alternating rounds.
+    "medium": Preset(
+        (
+            SharedPrefix(4, 8, 512, 64, 16, concurrency=8),
+            Burst(8, 500, 16, 8),
+            PrefixRepetition(16, 48, 256, 16, 8),
+            MultiTurn(4, 4, 256, 32, 32),
+            Decode(8, 32, 128, rounds=5),
+            Memory(8, 1024, 16, 32),
+        ),
+        pool_tokens=8192,
+    ),
+}
+WORKLOADS = tuple(w.name for w in PRESETS["smoke"].workloads)
+
+
+@dataclass
+class Reply:
+    text: str
+    usage: dict
+    ttft_s: float | None  # None: no text came back
+
+
+@dataclass
+class Run:
+    """One workload on one server: what the clients saw and what the process spent."""
+
+    server: str
+    workload: str
+    wall_s: float
+    replies: dict[Hashable, Reply]
+    cpu_s: float | None = None
+    peak_rss_bytes: int | None = None
+    peak_rss_method: str | None = None
+    # From /v1/cache/stats deltas; None from stock, which has no such endpoint.
+    stats_prompt_tokens: int | None = None
+    stats_cached_tokens: int | None = None
+    kv_bytes_held_peak: int | None = None  # K/V bytes of the pool's pages live requests held
+    pool_bytes_per_token: float | None = None
+
+
+def run_workload(
+    server: ServerProcess,
+    name: str,
+    workload: Workload,
+    prompts: Prompts,
+    sampling: Sampling,
+    on_reply: Callable[[], None] = lambda: None,
+) -> Run:
+    """Run ``workload`` on ``server``; ``on_reply()`` after each request finishes."""
+    replies: dict[Hashable, Reply] = {}
+
+    def send(key: Hashable, path: str, body: dict) -> str:
+        start = time.perf_counter()
+        first: list[float] = []
+        events = server.stream(path, body, on_first=lambda: first.append(time.perf_counter()))
+        text = "".join(event_text(e) for e in events)
+        usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
+        if usage is None:
+            raise RuntimeError(f"{name}: no usage in the streamed response of {path}")
+        replies[key] = Reply(text, usage, first[0] - start if first else None)
+        on_reply()
+        return text
+
+    clients = workload.build(prompts, sampling)
+    cpu_before, stats_before = server.cpu_seconds(), server.stats()
+    poller = _PoolPoller(server) if workload.poll_pool and stats_before else None
+    with server.peak_rss() as peak:
+        if poller:
+            poller.start()
+        wall = _concurrently([partial(c, send) for c in clients])
+        if poller:
+            poller.stop()
+    cpu_after, stats_after = server.cpu_seconds(), server.stats()
+    run = Run(
+        name, workload.name, wall, replies, peak_rss_bytes=peak.bytes, peak_rss_method=peak.method
+    )
+    if cpu_before is not None and cpu_after is not None:
+        run.cpu_s = round(cpu_after - cpu_before, 3)
+    if stats_before and stats_after:
+        run.stats_prompt_tokens = stats_after["prompt_tokens"] - stats_before["prompt_tokens"]
+        run.stats_cached_tokens = stats_after["cached_tokens"] - stats_before["cached_tokens"]
+        slots = stats_after["pages_total"] * stats_after["page_size"]
+        run.pool_bytes_per_token = stats_after["pool_bytes_total"] / slots if slots else None
+    if poller:
+        # Locked pages are those live requests hold; pages cached by earlier workloads are
+        # evictable and do not count.
+        locked = max(0, poller.peak - stats_before["pages_locked"])
+        run.kv_bytes_held_peak = (
+            locked * stats_after["pool_bytes_total"] // stats_after["pages_total"]
+        )
+    return run
+
+
+class _PoolPoller(threading.Thread):
+    """Reads the plugin's ``pages_locked`` every 20 ms; keeps the largest."""
+
+    def __init__(self, server: ServerProcess):
+        super().__init__(daemon=True)
+        self.server, self.peak = server, 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.02):
+            stats = self.server.stats()
+            self.peak = max(self.peak, stats["pages_locked"])
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def _concurrently(fns: list[Callable[[], None]]) -> float:
+    """Run ``fns`` in threads; the wall time, or the first exception any of them raised."""
+    errors: list[BaseException] = []
+
+    def guarded(fn):
+        try:
+            fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(f,)) for f in fns]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
+
+
+def eos_logit_bias(model_dir: Path) -> dict[str, float]:
+    """A ``logit_bias`` that bans the model's EOS ids (``eos_token_id`` of config.json)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    if eos is None:
+        raise PromptError(f"{model_dir}/config.json has no eos_token_id to ban")
+    ids = eos if isinstance(eos, list) else [eos]
+    return {str(i): -100.0 for i in ids}

@@ -1,0 +1,468 @@
+"""Stock ``mlx_lm.server`` and the radix plugin side by side on a GPU, real-shape models.
+
+For each shape a random-weight model is built on the spot (bf16 by default, no
+download) and both servers are started on it. Measured, same requests to both:
+decode tokens/s at 1, 8 and 32 concurrent requests; time to first token on a cached
+4,096-token shared prefix; a burst of 32 requests on one new 2,048-token prefix.
+Decode at one request is set against the memory-bandwidth floor: the bytes one step
+reads (weights + K/V) over the copy bandwidth measured on the same device.
+
+    python -m mlx_radix_plugin.gpu_bench --json gpu.json
+    python -m mlx_radix_plugin.gpu_bench --shape tiny --dtype float32   # CPU smoke run
+
+``python -m mlx_radix_plugin.gpu_bench serve-radix --model PATH ...`` is the plugin's
+server as the benchmark starts it (see ``serve_radix``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import struct
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import mlx.core as mx
+
+from .bench import NO_EOS, Requests, server_env
+from .bench_server import ServerProcess, free_port
+from .random_model import SHAPES, build, words
+
+# A shape small enough for MLX's CPU backend: the test suite's stand-in for a real one.
+TINY = (
+    "smollm2-135m",
+    dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=600,
+    ),
+)
+DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
+SERVERS = ("stock", "radix")
+
+
+def progress(message: str) -> None:
+    """A timestamped line on stdout: a run on a leased machine is read from its log."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def serve_radix(argv: list[str]) -> None:
+    """``mlx_lm.server`` with the radix plugin registered directly.
+
+    The stock start-up shim finds plugins through installed entry points; on a machine
+    that runs this package from a source tree on PYTHONPATH there are none.
+    """
+    from mlx_lm_hooks.plugins import get_plugin_manager
+    from mlx_lm_hooks.server import serve
+
+    from .plugin import plugin
+
+    pm = get_plugin_manager()
+    pm.register(plugin, name="radix")
+    serve(["radix"], argv, pm)
+
+
+def copy_bandwidth(nbytes: int, iters: int = 10) -> float:
+    """Bytes read plus bytes written per second by an elementwise copy of ``nbytes``."""
+    # 2-D: one MLX dimension holds at most 2**31 - 1 elements.
+    x = mx.zeros((max(1, nbytes // 8192), 4096), dtype=mx.bfloat16)
+    mx.eval(x)
+    mx.eval(x + 1)  # compile and allocate outside the timed loop
+    mx.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        mx.eval(x + 1)
+    mx.synchronize()
+    rate = 2 * x.nbytes * iters / (time.perf_counter() - start)
+    del x
+    mx.clear_cache()
+    return rate
+
+
+def safetensors_bytes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor in a safetensors file, from its header alone."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {
+        name: meta["data_offsets"][1] - meta["data_offsets"][0]
+        for name, meta in header.items()
+        if name != "__metadata__"
+    }
+
+
+def decode_step_bytes(model_dir: Path, context: int) -> dict[str, int]:
+    """What one decode step of one request must read from memory at ``context`` tokens.
+
+    Every weight matrix is read once, except an untied input embedding, of which a step
+    reads one row; K/V is read for every cached token of every layer.
+    """
+    config = json.loads((model_dir / "config.json").read_text())
+    tensors = safetensors_bytes(model_dir / "model.safetensors")
+    weights = sum(tensors.values())
+    if "lm_head.weight" in tensors:
+        weights -= tensors["model.embed_tokens.weight"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    itemsize = tensors["model.norm.weight"] // config["hidden_size"]
+    kv = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * itemsize
+    return {"weights": weights, "kv": kv * context}
+
+
+def in_process_ms_per_token(model_dir: Path, prompt_len: int, max_tokens: int) -> float:
+    """Stock mlx-lm decode of one request with no server around it, ms per token."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _ = load(str(model_dir))
+    prompt = mx.array(list(range(2, 2 + prompt_len)))
+    stamps = [time.perf_counter() for _ in generate_step(prompt, model, max_tokens=max_tokens)]
+    del model
+    gc.collect()
+    mx.clear_cache()
+    return 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def stream_all(
+    server: ServerProcess, prompts: list[str], max_tokens: int
+) -> tuple[float, list[dict]]:
+    """Send ``prompts`` at once, streamed; (wall seconds, per request: ttft, seconds, usage,
+    text). ``seconds`` runs from the first token to the end of the stream."""
+    start = time.perf_counter()
+    out: list[dict] = [{} for _ in prompts]
+
+    def one(i: int) -> None:
+        def first() -> None:
+            out[i]["ttft"] = time.perf_counter() - start
+
+        body = {
+            "prompt": prompts[i],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logit_bias": NO_EOS,
+            "stream_options": {"include_usage": True},
+        }
+        out[i]["retries"] = 0
+        while True:
+            try:
+                events = server.stream("/v1/completions", body, on_first=first)
+                break
+            except ConnectionResetError:
+                # Stock mlx_lm.server listens with Python's default queue of 5 connections;
+                # a kernel that resets on overflow (the GPU machine's does) turns away part
+                # of a 32-request burst. A client would retry; the time lost stays in TTFT.
+                if out[i]["retries"] == 5:
+                    raise
+                out[i]["retries"] += 1
+                time.sleep(0.05)
+        out[i]["seconds"] = time.perf_counter() - start - out[i]["ttft"]
+        out[i]["text"] = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        out[i]["usage"] = next(e["usage"] for e in reversed(events) if e.get("usage"))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any("usage" not in r for r in out):
+        raise RuntimeError("a request failed; see the server's log")
+    return time.perf_counter() - start, out
+
+
+def _prompt(rng: Requests, n: int, prefix: list[int] = ()) -> str:
+    return words([*prefix, *(rng.randrange(2, rng.vocab) for _ in range(n))])
+
+
+def _computed(usage: dict) -> int:
+    return usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def _ttft_summary(ttft: list[float]) -> dict:
+    ttft = sorted(ttft)
+    return {
+        "ttft_mean_s": round(statistics.fmean(ttft), 4),
+        "ttft_p50_s": round(statistics.median(ttft), 4),
+        "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 4),
+    }
+
+
+def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
+    """``args.rounds`` rounds of ``batch`` concurrent requests per server, turns alternating."""
+    per: dict[str, list[dict]] = {name: [] for name in servers}
+    texts: dict[str, list[str]] = {name: [] for name in servers}
+    retries = dict.fromkeys(servers, 0)
+    for round_ in range(args.rounds):
+        order = list(servers) if round_ % 2 == 0 else list(servers)[::-1]
+        for name in order:
+            rng = Requests(rng_seed + round_, args.vocab)
+            prompts = [_prompt(rng, args.decode_prompt) for _ in range(batch)]
+            wall, results = stream_all(servers[name], prompts, args.max_tokens)
+            tokens = sum(r["usage"]["completion_tokens"] for r in results)
+            per_token = [
+                r["seconds"] / (r["usage"]["completion_tokens"] - 1)
+                for r in results
+                if r["usage"]["completion_tokens"] > 1
+            ]
+            per[name].append(
+                {"tokens_per_s": tokens / wall, "ms_per_token": 1000 * statistics.median(per_token)}
+            )
+            texts[name] += [r["text"] for r in results]
+            retries[name] += sum(r["retries"] for r in results)
+    out = {
+        name: {
+            key: round(statistics.median(r[key] for r in rounds), 3)
+            for key in ("tokens_per_s", "ms_per_token")
+        }
+        for name, rounds in per.items()
+    }
+    for name, rounds in per.items():
+        out[name]["tokens_per_s_by_round"] = [round(r["tokens_per_s"], 1) for r in rounds]
+    out["ratio"] = round(out["radix"]["tokens_per_s"] / out["stock"]["tokens_per_s"], 3)
+    out["greedy_match"] = sum(a == b for a, b in zip(texts["stock"], texts["radix"]))
+    out["requests"] = len(texts["stock"])
+    out["connection_retries"] = retries
+    return out
+
+
+def measure_cached_prefix(servers: dict, args, rng_seed: int) -> dict:
+    """TTFT of requests, one after another, on a shared prefix an earlier request cached."""
+    out = {}
+    for name, server in servers.items():
+        rng = Requests(rng_seed, args.vocab)
+        prefix = [rng.randrange(2, rng.vocab) for _ in range(args.cached_prefix)]
+        stream_all(server, [_prompt(rng, args.question, prefix)], 2)  # caches the prefix
+        ttft, cached = [], []
+        for _ in range(args.cached_requests):
+            _, (r,) = stream_all(server, [_prompt(rng, args.question, prefix)], 2)
+            ttft.append(r["ttft"])
+            cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+        out[name] = {**_ttft_summary(ttft), "cached_tokens_mean": statistics.fmean(cached)}
+    out["speedup"] = round(out["stock"]["ttft_mean_s"] / out["radix"]["ttft_mean_s"], 3)
+    out["shared_prefix"] = args.cached_prefix
+    return out
+
+
+def measure_burst(servers: dict, args, rng_seed: int) -> dict:
+    """``args.burst`` requests on one new prefix, sent at once."""
+    out = {}
+    for name, server in servers.items():
+        rng = Requests(rng_seed, args.vocab)
+        prefix = [rng.randrange(2, rng.vocab) for _ in range(args.burst_prefix)]
+        prompts = [_prompt(rng, args.question, prefix) for _ in range(args.burst)]
+        wall, results = stream_all(server, prompts, 8)
+        out[name] = {
+            **_ttft_summary([r["ttft"] for r in results]),
+            "wall_s": round(wall, 3),
+            "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in results),
+            "prompt_tokens_computed": sum(_computed(r["usage"]) for r in results),
+            "connection_retries": sum(r["retries"] for r in results),
+        }
+    out["speedup"] = round(out["stock"]["ttft_mean_s"] / out["radix"]["ttft_mean_s"], 3)
+    out["requests"] = args.burst
+    out["shared_prefix"] = args.burst_prefix
+    return out
+
+
+@contextlib.contextmanager
+def side_by_side(model_dir: Path, work: Path, pool_tokens: int):
+    """Both servers up on ``model_dir``, each warmed up; yields {name: ServerProcess}."""
+    (work / "hf").mkdir(exist_ok=True)
+    commands = {
+        "stock": [sys.executable, "-m", "mlx_lm", "server"],
+        "radix": [sys.executable, "-m", "mlx_radix_plugin.gpu_bench", "serve-radix"],
+    }
+    envs = {"stock": {}, "radix": {"MLX_RADIX_POOL_TOKENS": str(pool_tokens)}}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for name in SERVERS:
+            port = free_port()
+            cmd = [*commands[name], "--model", str(model_dir), "--port", str(port)]
+            env = server_env(work / "hf", envs[name])
+            log = work / f"{name}.log"
+            servers[name] = stack.enter_context(ServerProcess(cmd, env, port, log))
+            # Kernels are built at first use: a batched prefill and a batched decode.
+            rng = Requests(-1, 500)
+            stream_all(servers[name], [_prompt(rng, 300) for _ in range(8)], 8)
+        yield servers
+
+
+def bench_shape(shape: str, args, work: Path) -> dict:
+    base, overrides = TINY if shape == "tiny" else (shape, {})
+    started = time.perf_counter()
+    progress(f"{shape}: building random {args.dtype} weights")
+    model_dir = build(base, work / shape, dtype=args.dtype, **overrides)
+    mx.clear_cache()
+    config = json.loads((model_dir / "config.json").read_text())
+    args.vocab = min(config["vocab_size"], 30000)
+    report: dict = {
+        "shape": shape,
+        "dtype": args.dtype,
+        "build_s": round(time.perf_counter() - started, 1),
+    }
+    report["in_process_ms_per_token"] = round(
+        in_process_ms_per_token(model_dir, args.decode_prompt, args.max_tokens), 3
+    )
+    progress(f"{shape}: built in {report['build_s']} s; starting both servers")
+    with side_by_side(model_dir, work, args.pool_tokens) as servers:
+        try:
+            report["decode"] = {}
+            for b in args.concurrency:
+                progress(f"{shape}: decode at {b} concurrent")
+                report["decode"][str(b)] = measure_decode(servers, args, b, args.seed + 100 * b)
+            progress(f"{shape}: TTFT on a cached prefix")
+            report["cached_prefix"] = measure_cached_prefix(servers, args, args.seed + 7)
+            progress(f"{shape}: burst")
+            report["burst"] = measure_burst(servers, args, args.seed + 11)
+            report["radix_stats"] = servers["radix"].stats()
+        except Exception as e:  # what was measured before still goes into the report
+            traceback.print_exc()
+            for name, server in servers.items():
+                print(f"--- {name} server log (tail) ---\n{server.output()[-4000:]}")
+            report["error"] = f"{type(e).__name__}: {e}"[:300]
+    if "1" in report["decode"]:
+        # Mean context of the measured steps: the prompt plus half the output.
+        step = decode_step_bytes(model_dir, args.decode_prompt + args.max_tokens // 2)
+        floor_ms = 1000 * (step["weights"] + step["kv"]) / args.bandwidth
+        one = report["decode"]["1"]
+        report["floor"] = {
+            "weight_bytes": step["weights"],
+            "kv_bytes": step["kv"],
+            "floor_ms_per_token": round(floor_ms, 3),
+            **{
+                f"{name}_over_floor": round(one[name]["ms_per_token"] / floor_ms, 2)
+                for name in SERVERS
+            },
+            "in_process_over_floor": round(report["in_process_ms_per_token"] / floor_ms, 2),
+        }
+    return report
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.1f} ms"
+
+
+def markdown(report: dict) -> str:
+    rows = [
+        "| shape | workload | stock | radix | radix speedup |",
+        "|---|---|---|---|---|",
+    ]
+
+    def row(name: str, workload: str, stock: str, radix: str, ratio: str = "") -> None:
+        rows.append(f"| {name} | {workload} | {stock} | {radix} | {ratio} |")
+
+    for s in report["shapes"]:
+        name = s["shape"]
+        for b, d in s.get("decode", {}).items():
+            stock, radix = (
+                f"{d[k]['tokens_per_s']:.0f} ({d[k]['ms_per_token']:.2f})" for k in SERVERS
+            )
+            workload = f"decode, {b} concurrent: tokens/s (ms/token)"
+            row(name, workload, stock, radix, f"{d['ratio']:.2f}x")
+        if "cached_prefix" in s:
+            c = s["cached_prefix"]
+            stock, radix = (
+                f"{_ms(c[k]['ttft_mean_s'])} ({c[k]['cached_tokens_mean']:.0f})" for k in SERVERS
+            )
+            workload = f"TTFT on a cached {c['shared_prefix']}-token prefix: mean (tokens cached)"
+            row(name, workload, stock, radix, f"{c['speedup']:.2f}x")
+        if "burst" in s:
+            b = s["burst"]
+            burst = f"burst of {b['requests']} on a new {b['shared_prefix']}-token prefix"
+            stock, radix = (
+                f"{_ms(b[k]['ttft_mean_s'])} / {_ms(b[k]['ttft_p95_s'])}" for k in SERVERS
+            )
+            row(name, f"{burst}: TTFT mean / p95", stock, radix, f"{b['speedup']:.2f}x")
+            stock, radix = (f"{b[k]['prompt_tokens_computed']:,}" for k in SERVERS)
+            row(name, f"{burst}: prompt tokens computed", stock, radix)
+        if "floor" in s:
+            f = s["floor"]
+            workload = (
+                f"decode, 1 request: ms/token over the floor of {f['floor_ms_per_token']:.2f} ms "
+                f"(in-process stock mlx-lm: {f['in_process_over_floor']:.2f}x)"
+            )
+            row(name, workload, f"{f['stock_over_floor']:.2f}x", f"{f['radix_over_floor']:.2f}x")
+        if "error" in s:
+            row(name, f"failed: {s['error']}", "", "")
+    return "\n".join(rows)
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected positive integers separated by commas, e.g. 1,8,32"
+        )
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--shape",
+        action="append",
+        choices=[*sorted(SHAPES), "tiny"],
+        help=f"model shape, repeatable (default: {', '.join(DEFAULT_SHAPES)})",
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--concurrency", type=_positive_ints, default=[1, 8, 32])
+    p.add_argument("--max-tokens", type=int, default=128, help="decode: tokens per request")
+    p.add_argument("--decode-prompt", type=int, default=32, help="decode: prompt tokens")
+    p.add_argument("--rounds", type=int, default=2, help="decode: rounds per server")
+    p.add_argument("--cached-prefix", type=int, default=4096, help="TTFT: shared prefix tokens")
+    p.add_argument("--cached-requests", type=int, default=8, help="TTFT: requests timed")
+    p.add_argument("--question", type=int, default=32, help="tokens after a shared prefix")
+    p.add_argument("--burst", type=int, default=32, help="burst: requests")
+    p.add_argument("--burst-prefix", type=int, default=2048, help="burst: shared prefix tokens")
+    p.add_argument("--pool-tokens", type=int, default=65536, help="the plugin's pool size")
+    p.add_argument("--bandwidth-mib", type=int, default=4096, help="copy size for bandwidth")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the report here")
+    args = p.parse_args(argv)
+    args.shape = args.shape or list(DEFAULT_SHAPES)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve-radix"]:
+        serve_radix(argv[1:])
+        return 0
+    args = parse_args(argv)
+    args.bandwidth = copy_bandwidth(args.bandwidth_mib << 20)
+    report = {
+        "device": str(mx.default_device()),
+        "device_name": mx.device_info().get("device_name", ""),
+        "mlx": mx.__version__,
+        "copy_bandwidth_gb_s": round(args.bandwidth / 1e9, 1),
+        "shapes": [],
+    }
+    print(f"copy bandwidth: {report['copy_bandwidth_gb_s']} GB/s on {report['device']}")
+    for shape in args.shape:
+        with tempfile.TemporaryDirectory(prefix=f"gpu-bench-{shape}-") as work:
+            try:
+                result = bench_shape(shape, args, Path(work))
+            except Exception as e:  # one shape failing still reports the others
+                traceback.print_exc()
+                result = {"shape": shape, "error": f"{type(e).__name__}: {e}"[:300]}
+        report["shapes"].append(result)
+        print(json.dumps(result, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+    print(markdown(report))
+    return 1 if any("error" in s for s in report["shapes"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

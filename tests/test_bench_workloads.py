@@ -1,0 +1,291 @@
+"""The benchmark's requests and measurements without servers: exact-length prompts,
+what each workload sends, keyed replies, error propagation, peak memory."""
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from tiny_models import build_model
+
+from mlx_radix_plugin import bench_server, bench_workloads
+from mlx_radix_plugin.bench_server import PeakRSS
+from mlx_radix_plugin.bench_workloads import (
+    PRESETS,
+    Burst,
+    Decode,
+    Memory,
+    MultiTurn,
+    PrefixRepetition,
+    PromptError,
+    Prompts,
+    Sampling,
+    SharedPrefix,
+    eos_logit_bias,
+    run_workload,
+    single_token_words,
+)
+from mlx_radix_plugin.random_model import build
+
+WORDS = [f"t{i}" for i in range(2, 200)]
+
+
+@pytest.fixture(scope="module")
+def word_model(tmp_path_factory):
+    return build(
+        "smollm2-135m",
+        tmp_path_factory.mktemp("m"),
+        hidden_size=32,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=300,
+    )
+
+
+@pytest.mark.parametrize("kind", ["word-level", "byte-level BPE"])
+def test_prompts_of_n_words_are_n_tokens(kind, word_model, tmp_path):
+    from tokenizers import Tokenizer
+
+    model = word_model if kind == "word-level" else build_model("llama", tmp_path / "bpe")
+    words = single_token_words(model)
+    assert len(words) >= 64
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    p = Prompts("seed", words)
+    prefix, suffix = p.text(40), p.text(7)
+    ids = tok.encode(prefix + suffix, add_special_tokens=False).ids
+    assert len(ids) == 47
+    # A shared prefix is a token-exact shared prefix.
+    assert ids[:40] == tok.encode(prefix, add_special_tokens=False).ids
+
+
+def test_a_tokenizer_without_single_token_words_is_refused(tmp_path):
+    with pytest.raises(PromptError, match="tokenizer.json not found"):
+        single_token_words(tmp_path)
+
+
+def test_eos_ban_reads_config(tmp_path, word_model):
+    assert eos_logit_bias(word_model) == {"0": -100.0}
+    (tmp_path / "config.json").write_text('{"eos_token_id": [2, 7]}')
+    assert eos_logit_bias(tmp_path) == {"2": -100.0, "7": -100.0}
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(PromptError, match="no eos_token_id"):
+        eos_logit_bias(tmp_path)
+
+
+def collect(workload, seed="s", reply=lambda key, body: "t9 t9"):
+    """What ``workload``'s clients send, one client after another, keyed."""
+    sent = {}
+
+    def send(key, path, body):
+        sent[key] = (path, body)
+        return reply(key, body)
+
+    for client in workload.build(Prompts(seed, WORDS), Sampling({"0": -100.0})):
+        client(send)
+    return sent
+
+
+def words_of(body):
+    return body["prompt"].split()
+
+
+def test_same_seed_same_requests_other_seed_other_requests():
+    w = SharedPrefix(2, 3, 10, 4, 2, concurrency=2)
+    assert collect(w) == collect(w)
+    assert collect(w) != collect(w, seed="other")
+
+
+def test_shared_prefix_groups_share_their_system_prompt_and_are_shuffled():
+    w = SharedPrefix(3, 4, 10, 5, 2, concurrency=2)
+    sent = collect(w)
+    assert len(sent) == 12
+    for (g, _), (path, body) in sent.items():
+        assert path == "/v1/completions" and len(words_of(body)) == 15
+        assert words_of(body)[:10] == words_of(sent[(g, 0)][1])[:10]
+        assert body["max_tokens"] == 2 and body["temperature"] == 0.0
+        assert body["logit_bias"] == {"0": -100.0}
+    assert len({tuple(words_of(b)[:10]) for _, b in sent.values()}) == 3
+    assert list(sent) != sorted(sent)  # shuffled, not group by group
+
+
+def test_burst_and_memory_share_one_prefix():
+    for w in (Burst(5, 12, 3, 2), Memory(5, 12, 3, 2)):
+        prompts = [words_of(b) for _, b in collect(w).values()]
+        assert len(prompts) == 5 and {len(p) for p in prompts} == {15}
+        assert len({tuple(p[:12]) for p in prompts}) == 1
+        assert len({tuple(p[12:]) for p in prompts}) == 5
+
+
+def test_prefix_repetition_cycles_more_prefixes_than_stock_keeps():
+    w = PrefixRepetition(12, 30, 8, 2, 1)
+    sent = collect(w)
+    prefixes = [tuple(words_of(sent[i][1])[:8]) for i in range(30)]
+    assert len(set(prefixes)) == 12
+    assert all(prefixes[i] == prefixes[i % 12] for i in range(30))
+    assert all(
+        w.prefixes > 10
+        for p in PRESETS.values()
+        for w in p.workloads
+        if w.name == "prefix_repetition"
+    )
+
+
+def test_multi_turn_sends_history_with_the_servers_replies():
+    w = MultiTurn(2, 3, 6, 4, 2)
+    sent = collect(w, reply=lambda key, body: f"reply{key[0]}{key[1]}")
+    assert len(sent) == 6
+    path, body = sent[(1, 2)]
+    assert path == "/v1/chat/completions"
+    roles = [m["role"] for m in body["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in body["messages"][2::2]] == ["reply10", "reply11"]
+    assert body["messages"][0] == sent[(0, 0)][1]["messages"][0]  # one system prompt
+
+
+def test_decode_prompts_are_short_and_distinct():
+    sent = collect(Decode(4, 6, 50, rounds=3))
+    assert {len(words_of(b)) for _, b in sent.values()} == {6}
+    assert len({tuple(words_of(b)) for _, b in sent.values()}) == 4
+    assert Decode(4, 6, 50, rounds=3).repeats == 3 and Burst(1, 1, 1, 1).repeats == 1
+
+
+class FakeServer:
+    """Streams ``text`` per request; /v1/cache/stats counters move by 10 per request."""
+
+    def __init__(self, plugin=True, fail_on=None):
+        self.plugin, self.fail_on, self.requests = plugin, fail_on, 0
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+        )
+        self.lock = threading.Lock()
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+    def stream(self, path, body, on_first=None):
+        if self.fail_on and self.fail_on in body["prompt"]:
+            raise RuntimeError("POST /v1/completions: 500 boom")
+        on_first()
+        with self.lock:
+            self.requests += 1
+        n = len(body["prompt"].split())
+        usage = {
+            "prompt_tokens": n,
+            "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        return [
+            {"choices": [{"text": body["prompt"].split()[0]}]},
+            {"choices": [], "usage": usage},
+        ]
+
+    def cpu_seconds(self):
+        return 1.0 + self.requests
+
+    def stats(self):
+        if not self.plugin:
+            return None
+        k = self.requests
+        return {
+            "prompt_tokens": 10 * k,
+            "cached_tokens": 4 * k,
+            "pages_total": 8,
+            "page_size": 4,
+            "pool_bytes_total": 3200,
+            "pages_locked": 0,
+        }
+
+    def peak_rss(self):
+        return PeakRSS(self.proc.pid)
+
+
+def test_run_workload_keys_replies_and_counts_the_servers_work():
+    server = FakeServer()
+    try:
+        w = SharedPrefix(2, 3, 5, 2, 2, concurrency=3)
+        ticks = []
+        r = run_workload(
+            server, "radix", w, Prompts("s", WORDS), Sampling(), lambda: ticks.append(1)
+        )
+    finally:
+        server.close()
+    sent = collect(w)
+    assert set(r.replies) == set(sent) and len(ticks) == 6
+    for key, rep in r.replies.items():
+        assert rep.text == words_of(sent[key][1])[0]  # each reply under its own request
+        assert rep.usage["prompt_tokens"] == 7 and rep.ttft_s >= 0
+    assert (r.stats_prompt_tokens, r.stats_cached_tokens) == (60, 24)
+    assert r.cpu_s == 6.0 and r.pool_bytes_per_token == 100.0
+    assert r.peak_rss_bytes > 0
+
+
+def test_stock_has_no_stats_and_a_failing_request_stops_the_workload():
+    server = FakeServer(plugin=False)
+    try:
+        r = run_workload(server, "stock", Burst(3, 4, 1, 1), Prompts("s", WORDS), Sampling())
+        assert r.stats_prompt_tokens is None and r.kv_bytes_held_peak is None
+        prompt = collect(Burst(3, 4, 1, 1))[2][1]["prompt"]
+        server.fail_on = prompt
+        with pytest.raises(RuntimeError, match="500 boom"):
+            run_workload(server, "stock", Burst(3, 4, 1, 1), Prompts("s", WORDS), Sampling())
+    finally:
+        server.close()
+
+
+HOLDER = """
+import sys
+block = b"x" * (64 << 20)
+if sys.argv[1] == "free":
+    del block
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def holder(mode):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdout.readline() == b"ready\n"
+    return proc
+
+
+def release(proc):
+    proc.stdin.close()
+    proc.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux /proc")
+def test_peak_rss_resets_the_high_water_mark():
+    proc = holder("free")  # touched 64 MiB, then gave it back
+    try:
+        with PeakRSS(proc.pid, reset=False) as since_start:
+            pass
+        with PeakRSS(proc.pid) as window:
+            pass
+    finally:
+        release(proc)
+    assert since_start.method == "VmHWM since start" and since_start.bytes >= 64 << 20
+    assert window.method == "VmHWM" and window.bytes < 64 << 20
+
+
+def test_peak_rss_samples_ps_elsewhere(monkeypatch):
+    monkeypatch.setattr(bench_server, "LINUX", False)
+    proc = holder("keep")
+    try:
+        with PeakRSS(proc.pid) as peak:
+            threading.Event().wait(0.2)
+    finally:
+        release(proc)
+    assert peak.method == "ps rss sampled 50 ms" and peak.bytes >= 64 << 20
+
+
+def test_presets_grow_and_name_every_workload():
+    names = [[w.name for w in p.workloads] for p in PRESETS.values()]
+    assert names[0] == list(bench_workloads.WORKLOADS) and all(n == names[0] for n in names)
+    total = {k: sum(w.total_requests for w in p.workloads) for k, p in PRESETS.items()}
+    assert total["smoke"] < total["small"] < total["medium"]

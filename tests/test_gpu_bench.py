@@ -1,0 +1,77 @@
+"""The GPU benchmark at a tiny shape on the CPU (function, not speed: no timing asserted)."""
+
+import json
+
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
+
+from mlx_radix_plugin import gpu_bench
+from mlx_radix_plugin.random_model import build
+
+_, TINY = gpu_bench.TINY
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_step_bytes_counts_every_weight_read_and_the_kv(tmp_path, tied):
+    path = build("smollm2-135m", tmp_path / "m", tie_word_embeddings=tied, **TINY)
+    model, _ = load(str(path))
+    params = dict(tree_flatten(model.parameters()))
+    total = sum(p.nbytes for p in params.values())
+    embedding = params["model.embed_tokens.weight"].nbytes
+    step = gpu_bench.decode_step_bytes(path, context=100)
+    # An untied embedding is looked up one row per step, not read whole.
+    assert step["weights"] == (total if tied else total - embedding)
+    # K and V, 2 layers x 2 KV heads x head dim 16, float32, 100 tokens.
+    assert step["kv"] == 2 * 2 * 2 * 16 * 4 * 100
+
+
+def test_bad_concurrency_is_named(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_bench.parse_args(["--concurrency", "1,0"])
+    assert e.value.code == 2
+    assert "'1,0': expected positive integers separated by commas" in capsys.readouterr().err
+
+
+def test_copy_bandwidth_is_positive():
+    assert gpu_bench.copy_bandwidth(1 << 20, iters=2) > 0
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "gpu.json"
+    argv = [
+        "--shape", "tiny", "--dtype", "float32", "--concurrency", "1,2",
+        "--max-tokens", "6", "--rounds", "1", "--cached-prefix", "64", "--cached-requests", "2",
+        "--question", "16", "--burst", "3", "--burst-prefix", "48",
+        "--bandwidth-mib", "8", "--pool-tokens", "4096", "--json", str(out),
+    ]  # fmt: skip
+    assert gpu_bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["copy_bandwidth_gb_s"] > 0
+    (shape,) = report["shapes"]
+    assert shape["shape"] == "tiny" and "error" not in shape
+
+    assert set(shape["decode"]) == {"1", "2"}
+    for b, d in shape["decode"].items():
+        assert d["requests"] == int(b)
+        assert d["stock"]["tokens_per_s"] > 0 and d["radix"]["ms_per_token"] > 0
+    # One request alone decodes the same tokens on both servers.
+    assert shape["decode"]["1"]["greedy_match"] == 1
+
+    cached = shape["cached_prefix"]
+    assert cached["radix"]["cached_tokens_mean"] >= 64
+
+    burst = shape["burst"]
+    assert burst["stock"]["prompt_tokens"] == burst["radix"]["prompt_tokens"] == 3 * (48 + 16)
+    # The plugin computes the new prefix once; the questions each time.
+    assert 48 + 3 * 16 <= burst["radix"]["prompt_tokens_computed"] < 3 * (48 + 16)
+
+    floor = shape["floor"]
+    assert floor["floor_ms_per_token"] > 0
+    assert floor["stock_over_floor"] > 0 and floor["radix_over_floor"] > 0
+
+    table = capsys.readouterr().out
+    assert "| tiny | decode, 2 concurrent: tokens/s (ms/token) |" in table
+    assert "| tiny | burst of 3 on a new 48-token prefix: prompt tokens computed |" in table
