@@ -33,20 +33,8 @@ import mlx.core as mx
 
 from .bench import NO_EOS, Requests, server_env
 from .bench_server import ServerProcess, free_port
-from .random_model import SHAPES, build, words
+from .random_model import SHAPES, TINY, build, words
 
-# A shape small enough for MLX's CPU backend: the test suite's stand-in for a real one.
-TINY = (
-    "smollm2-135m",
-    dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=600,
-    ),
-)
 DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
 SERVERS = ("stock", "radix")
 
@@ -296,7 +284,7 @@ def side_by_side(model_dir: Path, work: Path, pool_tokens: int):
 
 
 def bench_shape(shape: str, args, work: Path) -> dict:
-    base, overrides = TINY if shape == "tiny" else (shape, {})
+    base, overrides = ("smollm2-135m", TINY) if shape == "tiny" else (shape, {})
     started = time.perf_counter()
     progress(f"{shape}: building random {args.dtype} weights")
     model_dir = build(base, work / shape, dtype=args.dtype, **overrides)

@@ -45,6 +45,16 @@ SHAPES: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
 }
+# SmolLM2-135M's layout at a size MLX's CPU backend runs in milliseconds: for tests and
+# smoke runs of the benchmarks (``build("smollm2-135m", path, **TINY)``).
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=600,
+)
 EOS, UNK = 0, 1
 SPECIAL = {"<eos>": EOS, "<unk>": UNK}
 

@@ -14,18 +14,10 @@ from mlx_lm import load
 from mlx_radix_plugin.bench_report import RATIO_KEYS
 from mlx_radix_plugin.bench_workloads import PRESETS, WORKLOADS
 from mlx_radix_plugin.cli import cli
-from mlx_radix_plugin.random_model import SHAPES, build, words
+from mlx_radix_plugin.random_model import SHAPES, TINY, build, words
 
-SMALL = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=600,
-)
 # layers x (K, V) x KV heads x head dim x float32 bytes
-SMALL_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * (64 // 4) * 4
+TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * (64 // 4) * 4
 
 SUMMARY_KEYS = {
     "wall_s",
@@ -43,7 +35,7 @@ SUMMARY_KEYS = {
 
 
 def test_random_model_tokenizer_is_one_word_per_token(tmp_path):
-    path = build("smollm2-135m", tmp_path / "m", **SMALL)
+    path = build("smollm2-135m", tmp_path / "m", **TINY)
     model, tok = load(str(path))
     ids = list(range(2, 40)) + [100, 101, 599]
     assert tok.encode(words(ids)) == ids
@@ -77,7 +69,7 @@ def test_module_entry_point_is_the_same_command():
 
 @pytest.mark.slow
 def test_smoke_preset_runs_both_servers_and_reports_every_field(tmp_path):
-    model = build("smollm2-135m", tmp_path / "m", **SMALL)
+    model = build("smollm2-135m", tmp_path / "m", **TINY)
     out = tmp_path / "results" / "smoke.json"
     argv = ["bench", "--preset", "smoke", "--model", str(model), "--ban-eos", "--json", str(out)]
     result = CliRunner().invoke(cli, argv)
@@ -116,7 +108,7 @@ def test_smoke_preset_runs_both_servers_and_reports_every_field(tmp_path):
     assert w["radix"]["stats_cached_tokens"] >= hits > w["stock"]["cached_tokens"]
 
     memory = report["workloads"]["memory"]
-    assert memory["kv_bytes_per_token"] == SMALL_KV_BYTES_PER_TOKEN
+    assert memory["kv_bytes_per_token"] == TINY_KV_BYTES_PER_TOKEN
     assert memory["kv_bytes_unshared"] > 0 and memory["kv_bytes_held_peak"] is not None
 
     for name in WORKLOADS:

@@ -7,9 +7,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 
 from mlx_radix_plugin import gpu_bench
-from mlx_radix_plugin.random_model import build
-
-_, TINY = gpu_bench.TINY
+from mlx_radix_plugin.random_model import TINY, build
 
 
 @pytest.mark.parametrize("tied", [True, False])
