@@ -26,23 +26,14 @@ from mlx_radix_plugin.bench_workloads import (
     run_workload,
     single_token_words,
 )
-from mlx_radix_plugin.random_model import build
+from mlx_radix_plugin.random_model import TINY, build
 
 WORDS = [f"t{i}" for i in range(2, 200)]
 
 
 @pytest.fixture(scope="module")
 def word_model(tmp_path_factory):
-    return build(
-        "smollm2-135m",
-        tmp_path_factory.mktemp("m"),
-        hidden_size=32,
-        num_hidden_layers=1,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=300,
-    )
+    return build("smollm2-135m", tmp_path_factory.mktemp("m"), **TINY)
 
 
 @pytest.mark.parametrize("kind", ["word-level", "byte-level BPE"])
