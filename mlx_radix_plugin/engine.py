@@ -118,6 +118,28 @@ class RadixBatchGenerator(BatchGenerator):
             c.offset = start
         table.depends = None
 
+    def remove(self, uids, return_prompt_caches=False):
+        # mlx_lm.server keeps the last fetched cache in a local until its next request:
+        # a removed request gives its pages and lock back now, not when that is replaced.
+        tables = [] if return_prompt_caches else self._tables_of(uids)
+        caches = super().remove(uids, return_prompt_caches)
+        for table in tables:
+            self.radix.release(table)
+        return caches
+
+    def _tables_of(self, uids) -> list[PageTable]:
+        tables = []
+        for stage, idx in self._find_uids(uids).values():
+            if stage == 0:
+                table = _table(self._unprocessed_sequences[idx])
+            else:
+                batch = self._prompt_batch if stage == 1 else self._generation_batch
+                cache = batch.prompt_cache
+                table = cache[0].rows.tables[idx] if isinstance(cache[0], _PoolWrites) else None
+            if table is not None:
+                tables.append(table)
+        return tables
+
     def _make_batch(self, n: int):
         # Only requests whose shared prefix is written may start their prefill; the
         # others keep their place in the queue.

@@ -184,6 +184,12 @@ class RadixPromptCache:
             self._ingest(model_key, tokens, prompt_cache)
 
     @_locked
+    def release(self, table: PageTable) -> None:
+        """Give back a request's pages and lock without caching anything more of it."""
+        self._inflight.discard(table)
+        table.release()
+
+    @_locked
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         if n_bytes is not None:
             keep = max(0, n_bytes) // self.pool.bytes_per_page

@@ -154,6 +154,29 @@ def test_disconnect_mid_stream_leaves_no_locked_page(loaded):
     assert stats["pages_free"] + stats["pages_evictable"] == stats["pages_total"]
 
 
+def test_a_removed_request_gives_its_pages_back_while_its_cache_is_still_referenced(loaded):
+    """mlx_lm.server keeps the last fetched cache in a local variable until its next request."""
+    model, tok = loaded("llama")
+    rpc = radix(model)
+    gen = RadixBatchGenerator(model, rpc, completion_batch_size=8, prefill_batch_size=4)
+    waiting, running = burst(tok, n=1)[0], tok.encode("A different prompt, long enough.")
+    lingering = [rpc.fetch_nearest_cache(KEY, p) for p in (running, waiting)]
+    uids = gen.insert_segments(
+        [[rest] for _, rest in lingering],
+        max_tokens=[20, 20],
+        caches=[c for c, _ in lingering],
+        all_tokens=[[], []],
+    )
+    while not gen.next()[1]:
+        pass
+    gen.remove(uids)  # both clients hang up, one decoding, one maybe not yet admitted
+    stats = rpc.stats()
+    assert stats["requests_holding_pages"] == stats["tree_locks"] == stats["pages_locked"] == 0
+    assert stats["page_refs"] == stats["pages_cached"] == stats["pages_evictable"]
+    assert len(lingering) == 2  # the caches are still referenced
+    gen.close()
+
+
 def test_a_full_pool_never_stops_the_batch(loaded, caplog):
     """More live tokens than pages: requests finish as stock's, caching what fit."""
     caplog.set_level("WARNING", logger="mlx_radix")
