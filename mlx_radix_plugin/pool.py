@@ -184,11 +184,6 @@ class KVPool:
 
     # -- pages -------------------------------------------------------------------
 
-    @property
-    def deferred(self) -> int:
-        """Releases queued by dropped page tables, not yet run."""
-        return len(self._deferred)
-
     def defer(self, release: Callable[[], None]) -> None:
         self._deferred.append(release)
 

@@ -235,10 +235,9 @@ class RadixPromptCache:
             "pages_cached": self.tree.total_pages,
             "page_refs": alloc.total_refs,
             "tree_locks": self.tree.locks,
-            # Fetched and not yet given back, on purpose or by a dropped reference whose
-            # release is queued for the generation thread.
-            "requests_holding_pages": sum(not t.released for t in self._tables)
-            + self.pool.deferred,
+            # Fetched and not yet given back (releases queued by dropped caches have run:
+            # every locked method runs them first).
+            "requests_holding_pages": sum(not t.released for t in self._tables),
         }
 
     # -- internals -----------------------------------------------------------------
