@@ -38,13 +38,25 @@ log = logging.getLogger("mlx_radix")
 
 
 class BatchedDecodeContext:
-    """What every layer needs to write one forward pass's new K/V into the pool."""
+    """One forward pass of a batch: what its layers share, built by the first layer.
+
+    - ``write_slots``/``take``: where the pass's new tokens go in the pool, and which
+      of the flattened (batch x step) tokens are real rather than padding;
+    - ``offset``: the batch's positions after the pass, one array for every layer
+      (mlx-lm's ``BatchKVCache`` adds to each layer's offset separately);
+    - a decode pass's new K/V, staged layer by layer and written to the pool after
+      the last layer, one scatter per pool array (``KVPool.write_layers``).
+    """
 
     built = 0  # how many were ever built: tests check it is one per forward, not per layer
 
     def __init__(self, tables: list[PageTable], lengths: list[int], valid: list[int], step: int):
         BatchedDecodeContext.built += 1
         self.step = step
+        self.calls = 0  # layers that have run this pass
+        self.offset: mx.array | None = None
+        self.keys: dict[int, mx.array] = {}
+        self.values: dict[int, mx.array] = {}
         self.valid = list(valid)  # tokens of each row written to the pool this pass
         slots, take = [], []
         for row, (table, start, n) in enumerate(zip(tables, lengths, valid)):
@@ -73,6 +85,22 @@ class BatchedDecodeContext:
         # Rows of the flattened (batch x step) tokens that are real; None when all are.
         self.take = None if len(take) == len(tables) * step else mx.array(take, dtype=mx.int32)
 
+    def write(self, pool: KVPool, layer: int, keys: mx.array, values: mx.array) -> None:
+        """This layer's new K/V into the pool: staged when decoding, written now otherwise."""
+        if self.step == 1:
+            self.keys[layer], self.values[layer] = keys, values
+            return
+        B, H, S, _ = keys.shape
+        k, v = (x.transpose(0, 2, 1, 3).reshape(B * S, H, -1) for x in (keys, values))
+        if self.take is not None:
+            k, v = k[self.take], v[self.take]
+        pool.write_rows(layer, self.write_slots, k, v)
+
+    def flush(self, pool: KVPool) -> None:
+        """Write the staged decode K/V of every layer."""
+        if self.keys:
+            pool.write_layers(self.write_slots, self.keys, self.values, rows=self.take)
+
 
 class BatchRows:
     """The requests of one batch, in batch order; shared by every layer's batch cache."""
@@ -84,14 +112,11 @@ class BatchRows:
         self.lengths = lengths  # tokens of each row whose K/V are in the pool
         self.prompt_lengths: list[int] | None = None  # real tokens in a right-padded prompt
         self.processed = 0
-        self._ctx: BatchedDecodeContext | None = None
+        self.num_layers = pool.num_layers
+        self.ctx: BatchedDecodeContext | None = None  # of the forward pass under way
+        self.merged: list = []  # layers merged so far, while mlx-lm merges layer by layer
         self._copy_in: tuple[tuple[int, ...], mx.array] | None = None
-        self._calls = 0
         self._op_calls = 0
-
-    @property
-    def num_layers(self) -> int:
-        return self.pool.num_layers
 
     def copy_in_slots(self, lengths: list[int]) -> mx.array:
         """Slots of every row's cached tokens, left-padded to the longest; built once.
@@ -109,24 +134,25 @@ class BatchRows:
             self._copy_in = (key, mx.concatenate(parts))
         return self._copy_in[1]
 
-    def context(self, step: int) -> BatchedDecodeContext:
-        """This forward pass's context: built by its first layer, dropped after its last."""
-        if self._ctx is None:
-            if self.prompt_lengths is None:
-                valid = [step] * len(self.tables)
-            else:
-                valid = [max(0, min(step, n - self.processed)) for n in self.prompt_lengths]
-            self._ctx = BatchedDecodeContext(self.tables, self.lengths, valid, step)
-        ctx = self._ctx
-        self._calls += 1
-        if self._calls == self.num_layers:
-            for i, n in enumerate(ctx.valid):
-                self.lengths[i] += n
-                self.tables[i].written = self.lengths[i]
-            if self.prompt_lengths is not None:
-                self.processed += step
-            self._ctx, self._calls = None, 0
-        return ctx
+    def begin(self, step: int) -> BatchedDecodeContext:
+        """The context of a forward pass of ``step`` tokens per row; its first layer calls this."""
+        if self.prompt_lengths is None:
+            valid = [step] * len(self.tables)
+        else:
+            valid = [max(0, min(step, n - self.processed)) for n in self.prompt_lengths]
+        self.ctx = BatchedDecodeContext(self.tables, self.lengths, valid, step)
+        return self.ctx
+
+    def end(self) -> None:
+        """After the pass's last layer: the staged writes, then who holds what."""
+        ctx, self.ctx = self.ctx, None
+        if ctx.any:
+            ctx.flush(self.pool)
+        for i, n in enumerate(ctx.valid):
+            self.lengths[i] += n
+            self.tables[i].written = self.lengths[i]
+        if self.prompt_lengths is not None:
+            self.processed += ctx.step
 
     def once(self, fn) -> None:
         """Run ``fn`` for the first of the per-layer calls of one batch operation."""
@@ -191,23 +217,28 @@ class _PoolWrites:
         batch.__dict__.update(cls._merged(caches, rows).__dict__)
         batch.layer = caches[0].layer
         batch.rows = rows
-        # Left lazy: the engine evaluates every layer's copy-in in one go right after
-        # the merge (RadixBatchGenerator._make_batch), before any write to the pool.
+        # Evaluated when the last layer is merged, all layers together: one sync per
+        # admission, not one per layer (on an H200, a 4,096-token hit on Llama-3-8B's
+        # shape spends 7 ms here). It must run before the next write to the pool,
+        # which would otherwise copy a whole pool array to keep the gather's input.
+        rows.merged.append(batch)
+        if len(rows.merged) == rows.num_layers:
+            mx.eval([c.state for c in rows.merged])
+            rows.merged = []
         return batch
 
     def update_and_fetch(self, keys, values):
-        ctx = self.rows.context(keys.shape[2])
+        rows = self.rows
+        ctx = rows.ctx or rows.begin(keys.shape[2])
         if ctx.any:
-            B, H, S, _ = keys.shape
-            if S == 1:  # decode: (B, H, 1, D) is already (B, H, D) in memory
-                k, v = keys.reshape(B, H, -1), values.reshape(B, H, -1)
-            else:
-                k, v = (x.transpose(0, 2, 1, 3).reshape(B * S, H, -1) for x in (keys, values))
-            if ctx.take is not None:
-                k, v = k[ctx.take], v[ctx.take]
-            pool = self.rows.pool
-            pool.keys[self.layer][ctx.write_slots] = k
-            pool.values[self.layer][ctx.write_slots] = v
+            ctx.write(rows.pool, self.layer, keys, values)
+        fetched = self._update(keys, values, ctx)
+        ctx.calls += 1
+        if ctx.calls == rows.num_layers:
+            rows.end()
+        return fetched
+
+    def _update(self, keys, values, ctx: BatchedDecodeContext):
         return super().update_and_fetch(keys, values)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
@@ -241,6 +272,23 @@ class _PoolWrites:
 class PoolBatchKVCache(_PoolWrites, BatchKVCache):
     stock = BatchKVCache
 
+    def _update(self, keys, values, ctx: BatchedDecodeContext):
+        """mlx-lm's ``BatchKVCache.update_and_fetch``, with the batch's offsets added once
+        per pass and shared by every layer, instead of once per layer."""
+        prev, S = self._idx, keys.shape[2]
+        if self.keys is None or prev + S > self.keys.shape[2]:
+            fetched = BatchKVCache.update_and_fetch(self, keys, values)  # grows the buffer
+            ctx.offset = self.offset if ctx.offset is None else ctx.offset
+            self.offset = ctx.offset
+            return fetched
+        if ctx.offset is None:
+            ctx.offset = self.offset + S
+        self.offset = ctx.offset
+        self._idx = prev + S
+        self.keys[..., prev : self._idx, :] = keys
+        self.values[..., prev : self._idx, :] = values
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
     @classmethod
     def _merged(cls, caches: list[PoolBackedCache], rows: BatchRows) -> BatchKVCache:
         """mlx-lm's left-padded batch layout, gathered from the pages in one go per layer.
@@ -257,12 +305,11 @@ class PoolBatchKVCache(_PoolWrites, BatchKVCache):
         pool, layer = caches[0].table.pool, caches[0].layer
         B, H = len(caches), pool.specs[layer].kv_heads
 
-        def gather(arr):
-            rows = arr[slots].reshape(B, longest, H, -1)
-            return mx.contiguous(rows.transpose(0, 2, 1, 3))
+        def layout(x):
+            return mx.contiguous(x.reshape(B, longest, H, -1).transpose(0, 2, 1, 3))
 
         batch = BatchKVCache(pad)
-        batch.keys, batch.values = gather(pool.keys[layer]), gather(pool.values[layer])
+        batch.keys, batch.values = (layout(x) for x in pool.rows(layer, slots))
         batch.offset = batch.offset + longest
         batch._idx = longest
         return batch

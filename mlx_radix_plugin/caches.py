@@ -288,8 +288,8 @@ class PoolBackedCache(_OffsetTrim):
         self.layer = layer
         self.window = table.pool.specs[layer].window
         self.offset = offset
-        # Set when the pool has no page left for this request: from then on the layer
-        # keeps its K/V privately, as mlx-lm's own cache would, and nothing more is cached.
+        # What this layer attends to once it runs on its own (not in a batch): a private
+        # copy, as mlx-lm's own cache would hold; its new K/V also go to the pages.
         self._own: KVCache | RotatingKVCache | None = None
 
     def _key_start(self, offset: int) -> int:
@@ -298,8 +298,15 @@ class PoolBackedCache(_OffsetTrim):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         start, end = self.offset, self.offset + keys.shape[2]
-        table, pool = self.table, self.table.pool
-        if self._own is None and not table.overflowed:
+        if self._own is None:
+            # The layer reads from its own copy of what it can see, filled from the pages
+            # once and evaluated now: a pool array spans layers, so reading it between
+            # two layers' writes would copy the whole array at every write (pool.py).
+            self._own = self.to_mlx_cache()
+            if self.offset:
+                mx.eval(self._own.state)
+        table = self.table
+        if not table.overflowed:
             try:
                 table.prepare_write(start, end)
             except OutOfPages:
@@ -307,17 +314,11 @@ class PoolBackedCache(_OffsetTrim):
                 log.warning("KV pool full: request goes on uncached from %d tokens", start)
                 table.overflowed = True
             else:
-                # Write first, then read from the updated array: keeps the write in place.
-                pool.write(self.layer, table.slots(start, end), keys, values)
-                self.offset = end
-                if self.layer == pool.num_layers - 1:
+                table.pool.write(self.layer, table.slots(start, end), keys, values)
+                if self.layer == table.pool.num_layers - 1:
                     table.written = end
-                return pool.read(self.layer, table.slots(self._key_start(start), end))
-        if self._own is None:
-            self._own = self.to_mlx_cache()
-        fetched = self._own.update_and_fetch(keys, values)
         self.offset = end
-        return fetched
+        return self._own.update_and_fetch(keys, values)
 
     def trim(self, n: int) -> int:
         n = super().trim(n)
@@ -331,8 +332,12 @@ class PoolBackedCache(_OffsetTrim):
         return window_mask(N, self.offset, self._key_start(self.offset), window_size, return_array)
 
     def _history(self) -> tuple[mx.array, mx.array]:
-        if self._own is not None:
-            return self._own.state[:2]
+        own = self._own
+        if own is not None:
+            if self.window is None:
+                return own.keys[..., : own.offset, :], own.values[..., : own.offset, :]
+            n = min(self.offset, self.window)
+            return tuple(own._temporal_order(a)[..., -n:, :] for a in (own.keys, own.values))
         # A windowed layer keeps its last `window` tokens, as mlx-lm's RotatingKVCache does.
         start = 0 if self.window is None else max(0, self.offset - self.window)
         return self.table.pool.read(self.layer, self.table.slots(start, self.offset))

@@ -152,13 +152,7 @@ class RadixBatchGenerator(BatchGenerator):
         chosen = {id(s) for s in ready}
         waiting = [s for s in self._unprocessed_sequences if id(s) not in chosen]
         self._unprocessed_sequences = deque(ready + waiting)
-        batch = super()._make_batch(len(ready))
-        # The copy-in from the pages, every layer at once: one sync per admission, not
-        # one per layer (on an H200, a 4,096-token hit on Llama-3-8B's shape now spends
-        # 7 ms here). It must run before the next write to the pool, which would
-        # otherwise copy the whole array to keep the pending gather's input intact.
-        mx.eval([c.state for c in batch.prompt_cache if isinstance(c, _PoolWrites)])
-        return batch
+        return super()._make_batch(len(ready))
 
     def _next(self):
         # Requests that finish in this call give their pages back when the server
@@ -170,7 +164,7 @@ class RadixBatchGenerator(BatchGenerator):
             # writes. Evaluated later, inside graphs that also read the pool, those
             # writes stop updating in place and copy whole layers (2 s in a burst of 8
             # x 500 tokens on a 262k-token pool; 0.02 s when done here).
-            mx.eval(self.radix.pool.keys, self.radix.pool.values)
+            mx.eval(self.radix.pool.arrays)
         for batch in (self._prompt_batch, self._generation_batch):
             cache = batch.prompt_cache
             if cache and isinstance(cache[0], _PoolWrites):

@@ -88,7 +88,7 @@ class RadixPlugin:
         if self.cache is not None:
             self.cache.bind(model, model_key, draft_model, cli_args)
         if not self.config["decode.batched"]:
-            # Requests then take mlx-lm's one-at-a-time path, which reads the pool in place.
+            # Requests then take mlx-lm's one-at-a-time path (PoolBackedCache).
             model_provider.is_batchable = False
 
     @hookimpl

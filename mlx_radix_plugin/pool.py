@@ -1,17 +1,25 @@
-"""Paged K/V storage: one key and one value array per layer, addressed by slot.
+"""Paged K/V storage, addressed by slot.
 
-Slot ``s`` of page ``p`` is row ``p * page_size + s`` of every layer's arrays, laid
-out ``(slots, kv_heads, head_dim)`` so a page's rows are contiguous for scatter and
-gather. Writes go in place only while nothing else in the same lazy graph still
-reads the old array (DESIGN.md section 4): callers write first, then read from the
-updated array, and nothing here keeps a second reference to a layer's array.
+Slot ``s`` of page ``p`` is row ``p * page_size + s`` of every layer. Consecutive
+layers with the same K/V geometry share one key and one value array, laid out
+``(layers, slots, kv_heads, head_dim)``: a decode step then writes every layer's new
+token with one scatter per array (``write_layers``) instead of two per layer, which
+on a GPU, where a small model's step is a few ms of mostly graph building, is the
+difference between the engine trailing stock mlx-lm and matching it. An array
+stops growing at ``max_array_elements`` (2**31 - 1, or Metal's largest buffer).
+
+Writes go in place only while nothing else in the same lazy graph still reads the
+old array (DESIGN.md section 4). Since an array spans layers, a forward pass must
+not read the pool between two layers' writes: readers copy what they need out of
+the pool (evaluated) before the pass writes, and nothing here keeps a second
+reference to an array.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -109,8 +117,44 @@ def plan_pool_tokens(
     return pages * page_size
 
 
+def _max_array_elements(dtype: mx.Dtype) -> int:
+    limit = 2**31 - 1  # kernels index an array's elements with 32-bit offsets below this
+    if mx.metal.is_available():
+        buffer = mx.device_info().get("max_buffer_length")
+        if buffer:
+            limit = min(limit, int(buffer) // dtype.size)
+    return limit
+
+
+def layer_groups(specs: list[LayerSpec], slots: int, max_elements: int) -> list[list[int]]:
+    """Runs of consecutive layers with the same K/V geometry, each within ``max_elements``."""
+    groups: list[list[int]] = []
+    for layer, s in enumerate(specs):
+        per_layer = slots * s.kv_heads * max(s.k_head_dim, s.v_head_dim)
+        if groups:
+            last = groups[-1]
+            first = specs[last[0]]
+            same = (first.kv_heads, first.k_head_dim, first.v_head_dim) == (
+                s.kv_heads,
+                s.k_head_dim,
+                s.v_head_dim,
+            )
+            if same and (len(last) + 1) * per_layer <= max_elements:
+                last.append(layer)
+                continue
+        groups.append([layer])
+    return groups
+
+
 class KVPool:
-    def __init__(self, specs: list[LayerSpec], num_pages: int, page_size: int, dtype: mx.Dtype):
+    def __init__(
+        self,
+        specs: list[LayerSpec],
+        num_pages: int,
+        page_size: int,
+        dtype: mx.Dtype,
+        max_array_elements: int | None = None,
+    ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.specs = specs
@@ -118,8 +162,14 @@ class KVPool:
         self.dtype = dtype
         self.allocator = PageAllocator(num_pages)
         slots = num_pages * page_size
-        self.keys = [mx.zeros((slots, s.kv_heads, s.k_head_dim), dtype) for s in specs]
-        self.values = [mx.zeros((slots, s.kv_heads, s.v_head_dim), dtype) for s in specs]
+        self.groups = layer_groups(specs, slots, max_array_elements or _max_array_elements(dtype))
+        # layer -> (its group's arrays, its row in them)
+        self._where = [(g, r) for g, layers in enumerate(self.groups) for r in range(len(layers))]
+        self.keys, self.values = [], []
+        for layers in self.groups:
+            s = specs[layers[0]]
+            self.keys.append(mx.zeros((len(layers), slots, s.kv_heads, s.k_head_dim), dtype))
+            self.values.append(mx.zeros((len(layers), slots, s.kv_heads, s.v_head_dim), dtype))
         mx.eval(self.keys, self.values)
         # Called with a page count when the free list runs short; returns pages it freed.
         self.reclaim: Callable[[int], int] | None = None
@@ -212,10 +262,48 @@ class KVPool:
 
     # -- data --------------------------------------------------------------------
 
+    @property
+    def arrays(self) -> list[mx.array]:
+        """Every array of the pool: evaluate these to run pending writes."""
+        return self.keys + self.values
+
+    def write_rows(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store ``(n, heads, dim)`` rows of one layer at ``n`` slots."""
+        g, r = self._where[layer]
+        # A one-row slice, not an integer: with an integer MLX scatters through two
+        # index arrays, ~15x slower on the CPU for a 4,000-token prefill chunk.
+        self.keys[g][r : r + 1, slots] = keys[None]
+        self.values[g][r : r + 1, slots] = values[None]
+
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store ``(1, heads, S, dim)`` K/V at ``S`` slots."""
-        self.keys[layer][slots] = keys[0].transpose(1, 0, 2)
-        self.values[layer][slots] = values[0].transpose(1, 0, 2)
+        self.write_rows(layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+
+    def write_layers(
+        self,
+        slots: mx.array,
+        keys: Mapping[int, mx.array],
+        values: Mapping[int, mx.array],
+        rows: mx.array | None = None,
+    ) -> None:
+        """Store every layer's new K/V at the same slots: one scatter per array.
+
+        ``keys[layer]`` holds ``m`` rows of ``(heads, dim)`` in any shape of that size
+        (a decode step's ``(batch, heads, 1, dim)``); ``rows`` picks which of the ``m``
+        go to ``slots``, all of them when None.
+        """
+        for g, layers in enumerate(self.groups):
+            for new, arrays in ((keys, self.keys), (values, self.values)):
+                x = mx.stack([new[i] for i in layers])
+                x = x.reshape(len(layers), -1, *arrays[g].shape[2:])
+                if rows is not None:
+                    x = x[:, rows]
+                arrays[g][:, slots] = x
+
+    def rows(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """One layer's K/V rows at ``slots``, ``(n, heads, dim)``."""
+        g, r = self._where[layer]
+        return self.keys[g][r, slots], self.values[g][r, slots]
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """K/V at ``slots`` as contiguous ``(1, heads, L, dim)``, the layout attention expects.
@@ -223,18 +311,17 @@ class KVPool:
         Made contiguous here: on the CPU, attention over the strided transpose is ~2.5x
         slower than the copy (0.2 ms vs 1.2 ms extra per layer at 1k tokens, 3 KV heads).
         """
-        k = mx.contiguous(self.keys[layer][slots].transpose(1, 0, 2))[None]
-        v = mx.contiguous(self.values[layer][slots].transpose(1, 0, 2))[None]
-        return k, v
+        k, v = self.rows(layer, slots)
+        return mx.contiguous(k.transpose(1, 0, 2))[None], mx.contiguous(v.transpose(1, 0, 2))[None]
 
     def copy(self, src: mx.array, dst: mx.array) -> None:
         """Copy slots ``src`` to ``dst`` in every layer.
 
         The gathered rows are evaluated before the scatter so that the scatter is
-        the only reader of each layer's array and can update it in place.
+        the only reader of each array and can update it in place.
         """
-        rows = [(self.keys[i][src], self.values[i][src]) for i in range(self.num_layers)]
+        rows = [(k[:, src], v[:, src]) for k, v in zip(self.keys, self.values)]
         mx.eval(rows)
-        for i, (k, v) in enumerate(rows):
-            self.keys[i][dst] = k
-            self.values[i][dst] = v
+        for g, (k, v) in enumerate(rows):
+            self.keys[g][:, dst] = k
+            self.values[g][:, dst] = v

@@ -8,7 +8,7 @@ from test_generation import KEY, no_eos
 from tiny_models import ARCHS
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
-from mlx_radix_plugin.batch_cache import BatchedDecodeContext, PoolBatchKVCache
+from mlx_radix_plugin.batch_cache import BatchedDecodeContext, BatchRows, PoolBatchKVCache
 from mlx_radix_plugin.engine import RadixBatchGenerator
 
 PS = 4
@@ -119,6 +119,61 @@ def test_context_is_built_once_per_forward_not_per_layer(loaded):
     run_batch(Counting(model), tok, mixed_prompts(tok), rpc, max_tokens=5)
     assert original == model.__call__
     assert BatchedDecodeContext.built - before == forwards > 0
+
+
+def test_a_decode_pass_writes_the_pool_once_per_array(loaded, monkeypatch):
+    model, tok = loaded("llama")
+    rpc = RadixPromptCache(KVPool.for_model(model, page_size=PS, pool_tokens=2048))
+    assert len(rpc.pool.groups) == 1  # every layer of this model in one pair of arrays
+    writes = {"write_rows": 0, "write_layers": 0}
+    passes = {1: 0, "prefill": 0}
+    end = BatchRows.end
+
+    def counted(name):
+        original = getattr(KVPool, name)
+
+        def wrapped(*a, **k):
+            writes[name] += 1
+            return original(*a, **k)
+
+        return wrapped
+
+    def end_of_pass(rows):
+        if rows.ctx.any:
+            passes[1 if rows.ctx.step == 1 else "prefill"] += 1
+        return end(rows)
+
+    for name in writes:
+        monkeypatch.setattr(KVPool, name, counted(name))
+    monkeypatch.setattr(BatchRows, "end", end_of_pass)
+    expected = run_batch(model, tok, mixed_prompts(tok), max_tokens=6)
+    assert run_batch(model, tok, mixed_prompts(tok), rpc, max_tokens=6, engine=True) == expected
+    # Prefill chunks write layer by layer; a decode pass once, after its last layer.
+    assert writes["write_rows"] == passes["prefill"] * len(model.layers) > 0
+    assert writes["write_layers"] == passes[1] > 0
+
+
+def test_every_layer_of_a_decode_batch_holds_one_offset_array(loaded):
+    model, tok = loaded("llama")
+    rpc = RadixPromptCache(KVPool.for_model(model, page_size=PS, pool_tokens=2048))
+    gen = RadixBatchGenerator(model, rpc)
+    prompts = mixed_prompts(tok)
+    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+    gen.insert_segments(
+        segments=[[rest] for _, rest in fetched],
+        max_tokens=[20] * len(prompts),
+        caches=[c for c, _ in fetched],
+        all_tokens=[p[: len(p) - len(rest)] for p, (_, rest) in zip(prompts, fetched)],
+    )
+    del fetched
+    for _ in range(6):
+        gen.next()
+    caches = gen._generation_batch.prompt_cache
+    assert len(gen._generation_batch) == len(prompts)
+    # Added to once per step for the whole batch, not once per layer as mlx-lm does.
+    assert all(c.offset is caches[0].offset for c in caches)
+    assert caches[0].offset.tolist() == [len(t) for t in gen._generation_batch.tokens]
+    gen.close()
 
 
 def test_chunked_prefill_and_sampling_match_stock(loaded):

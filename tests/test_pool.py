@@ -9,7 +9,7 @@ from tiny_models import ARCHS
 from mlx_radix_plugin import KVPool, LayerSpec, UnsupportedModel
 from mlx_radix_plugin.allocator import OutOfPages
 from mlx_radix_plugin.budget import DeviceMemory, device_memory, pool_budget_bytes
-from mlx_radix_plugin.pool import inspect_model, model_nbytes
+from mlx_radix_plugin.pool import inspect_model, layer_groups, model_nbytes
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -98,6 +98,53 @@ def test_write_read_copy_round_trip():
     ck, _ = pool.read(0, mx.array([6, 7]))
     assert mx.array_equal(ck, k[..., :2, :]).item()
     assert pool.slots_of([3, 1]).tolist() == [6, 7, 2, 3]
+
+
+def test_layers_of_one_geometry_share_arrays_up_to_the_element_cap():
+    a, b = LayerSpec(2, 4, 4), LayerSpec(1, 8, 8)
+    assert layer_groups([a, a, a, b, b, a], slots=10, max_elements=10**6) == [
+        [0, 1, 2],
+        [3, 4],
+        [5],
+    ]
+    # 80 elements per layer of ``a``: two fit under 200, the third starts a new array.
+    assert layer_groups([a, a, a], slots=10, max_elements=200) == [[0, 1], [2]]
+    # A layer larger than the cap still gets its array.
+    assert layer_groups([a, a], slots=10, max_elements=50) == [[0], [1]]
+    window = LayerSpec(2, 4, 4, window=8)  # a window changes what is read, not the layout
+    assert layer_groups([a, window], slots=10, max_elements=10**6) == [[0, 1]]
+
+
+def test_grouped_arrays_write_read_and_copy_each_layer_apart():
+    specs = [LayerSpec(2, 4, 4)] * 3 + [LayerSpec(1, 4, 4)]
+    pool = KVPool(specs, num_pages=4, page_size=2, dtype=mx.float32, max_array_elements=128)
+    assert pool.groups == [[0, 1], [2], [3]]  # 64 elements per layer of the first kind
+    assert pool.nbytes == pool.bytes_per_token * 8  # 4 pages x 2 slots
+    layers = {}
+    for layer, s in enumerate(specs):
+        k = mx.random.normal((1, s.kv_heads, 3, 4))
+        v = mx.random.normal((1, s.kv_heads, 3, 4))
+        pool.write(layer, mx.array([1, 6, 2]), k, v)
+        layers[layer] = (k, v)
+    pool.copy(mx.array([6]), mx.array([7]))
+    for layer, (k, v) in layers.items():
+        rk, rv = pool.read(layer, mx.array([1, 6, 2, 7]))
+        assert mx.array_equal(rk[..., :3, :], k).item() and mx.array_equal(rv[..., :3, :], v).item()
+        assert mx.array_equal(rk[..., 3, :], k[..., 1, :]).item()
+    assert mx.all(pool.rows(0, mx.array([0, 3, 4, 5]))[0] == 0).item()
+
+
+def test_write_layers_puts_each_layers_picked_rows_at_the_slots():
+    specs = [LayerSpec(2, 4, 4)] * 3 + [LayerSpec(1, 4, 4)]
+    pool = KVPool(specs, num_pages=4, page_size=2, dtype=mx.float32, max_array_elements=128)
+    # A decode step's new K/V: (batch, heads, 1, dim) per layer; rows 0 and 2 are real.
+    keys = {i: mx.random.normal((3, s.kv_heads, 1, 4)) for i, s in enumerate(specs)}
+    values = {i: mx.random.normal((3, s.kv_heads, 1, 4)) for i, s in enumerate(specs)}
+    pool.write_layers(mx.array([5, 2]), keys, values, rows=mx.array([0, 2]))
+    for i in range(len(specs)):
+        k, v = pool.rows(i, mx.array([5, 2]))
+        assert mx.array_equal(k, keys[i][mx.array([0, 2]), :, 0]).item()
+        assert mx.array_equal(v, values[i][mx.array([0, 2]), :, 0]).item()
 
 
 def test_alloc_reclaims_when_short():
