@@ -2,11 +2,15 @@
 
 Slot ``s`` of page ``p`` is row ``p * page_size + s`` of every layer. Consecutive
 layers with the same K/V geometry share one key and one value array, laid out
-``(layers, slots, kv_heads, head_dim)``: a decode step then writes every layer's new
-token with one scatter per array (``write_layers``) instead of two per layer, which
-on a GPU, where a small model's step is a few ms of mostly graph building, is the
-difference between the engine trailing stock mlx-lm and matching it. An array
-stops growing at ``max_array_elements`` (2**31 - 1, or Metal's largest buffer).
+``(layers * slots, kv_heads, head_dim)``, layer after layer: a decode step then
+writes every layer's new token with one scatter per array (``write_layers``) instead
+of two per layer, which on a GPU, where a small model's step is a few ms of mostly
+graph building, is the difference between the engine trailing stock mlx-lm and
+matching it. Rows are addressed with one flat index (``layer_row * slots + slot``):
+indexing a ``(layers, slots, ...)`` array with an integer and an index array takes
+MLX's two-index path, ~2x slower to gather and ~15x slower to scatter on the CPU.
+An array stops growing at ``max_array_elements`` (2**31 - 1, or Metal's largest
+buffer).
 
 Writes go in place only while nothing else in the same lazy graph still reads the
 old array (DESIGN.md section 4). Since an array spans layers, a forward pass must
@@ -163,14 +167,19 @@ class KVPool:
         self.allocator = PageAllocator(num_pages)
         slots = num_pages * page_size
         self.groups = layer_groups(specs, slots, max_array_elements or _max_array_elements(dtype))
-        # layer -> (its group's arrays, its row in them)
-        self._where = [(g, r) for g, layers in enumerate(self.groups) for r in range(len(layers))]
+        # layer -> (its group's arrays, the flat row of its slot 0 there)
+        self._where = [
+            (g, r * slots) for g, layers in enumerate(self.groups) for r in range(len(layers))
+        ]
+        self._bases = [
+            mx.arange(len(layers), dtype=mx.int32)[:, None] * slots for layers in self.groups
+        ]
         self.keys, self.values = [], []
         for layers in self.groups:
             s = specs[layers[0]]
-            self.keys.append(mx.zeros((len(layers), slots, s.kv_heads, s.k_head_dim), dtype))
-            self.values.append(mx.zeros((len(layers), slots, s.kv_heads, s.v_head_dim), dtype))
-        mx.eval(self.keys, self.values)
+            self.keys.append(mx.zeros((len(layers) * slots, s.kv_heads, s.k_head_dim), dtype))
+            self.values.append(mx.zeros((len(layers) * slots, s.kv_heads, s.v_head_dim), dtype))
+        mx.eval(self.keys, self.values, self._bases)
         # Called with a page count when the free list runs short; returns pages it freed.
         self.reclaim: Callable[[int], int] | None = None
         # Releases queued by finalizers of dropped page tables, run under the lock later:
@@ -269,11 +278,9 @@ class KVPool:
 
     def write_rows(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store ``(n, heads, dim)`` rows of one layer at ``n`` slots."""
-        g, r = self._where[layer]
-        # A one-row slice, not an integer: with an integer MLX scatters through two
-        # index arrays, ~15x slower on the CPU for a 4,000-token prefill chunk.
-        self.keys[g][r : r + 1, slots] = keys[None]
-        self.values[g][r : r + 1, slots] = values[None]
+        g, idx = self._index(layer, slots)
+        self.keys[g][idx] = keys
+        self.values[g][idx] = values
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store ``(1, heads, S, dim)`` K/V at ``S`` slots."""
@@ -293,17 +300,22 @@ class KVPool:
         go to ``slots``, all of them when None.
         """
         for g, layers in enumerate(self.groups):
+            idx = (self._bases[g] + slots).reshape(-1)
             for new, arrays in ((keys, self.keys), (values, self.values)):
                 x = mx.stack([new[i] for i in layers])
-                x = x.reshape(len(layers), -1, *arrays[g].shape[2:])
+                x = x.reshape(len(layers), -1, *arrays[g].shape[1:])
                 if rows is not None:
                     x = x[:, rows]
-                arrays[g][:, slots] = x
+                arrays[g][idx] = x.reshape(-1, *arrays[g].shape[1:])
+
+    def _index(self, layer: int, slots: mx.array) -> tuple[int, mx.array]:
+        g, base = self._where[layer]
+        return g, (slots + base if base else slots)
 
     def rows(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """One layer's K/V rows at ``slots``, ``(n, heads, dim)``."""
-        g, r = self._where[layer]
-        return self.keys[g][r, slots], self.values[g][r, slots]
+        g, idx = self._index(layer, slots)
+        return self.keys[g][idx], self.values[g][idx]
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """K/V at ``slots`` as contiguous ``(1, heads, L, dim)``, the layout attention expects.
@@ -320,8 +332,9 @@ class KVPool:
         The gathered rows are evaluated before the scatter so that the scatter is
         the only reader of each array and can update it in place.
         """
-        rows = [(k[:, src], v[:, src]) for k, v in zip(self.keys, self.values)]
+        src, dst = ([(b + i).reshape(-1) for b in self._bases] for i in (src, dst))
+        rows = [(k[i], v[i]) for k, v, i in zip(self.keys, self.values, src)]
         mx.eval(rows)
         for g, (k, v) in enumerate(rows):
-            self.keys[g][:, dst] = k
-            self.values[g][:, dst] = v
+            self.keys[g][dst[g]] = k
+            self.values[g][dst[g]] = v
