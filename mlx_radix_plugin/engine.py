@@ -159,12 +159,13 @@ class RadixBatchGenerator(BatchGenerator):
         # commits them, right after it: until then they still count as running.
         self._ran = bool(len(self._prompt_batch) or len(self._generation_batch))
         responses = super()._next()
-        if responses[0]:
-            # A prefill chunk ran: mlx-lm evaluated its batch buffers but not our page
-            # writes. Evaluated later, inside graphs that also read the pool, those
-            # writes stop updating in place and copy whole layers (2 s in a burst of 8
-            # x 500 tokens on a 262k-token pool; 0.02 s when done here).
-            mx.eval(self.radix.pool.arrays)
+        # mlx-lm evaluates what the next tokens need, not our page writes: they are
+        # scheduled here, behind the step that made them, without waiting for it.
+        # Left pending, they pile up until something reads the pool and then run inside
+        # that graph, where they stop updating in place and copy whole pool arrays (2 s
+        # in a burst of 8 x 500 tokens on a 262k-token pool, 0.02 s when run here), and
+        # every admission's synchronisation would wait for the pile.
+        mx.async_eval(self.radix.pool.arrays)
         for batch in (self._prompt_batch, self._generation_batch):
             cache = batch.prompt_cache
             if cache and isinstance(cache[0], _PoolWrites):
