@@ -17,9 +17,14 @@ step, into the page of the pool that will hold it: the pool is the truth the
 radix tree commits from, the buffer is a read copy of the running batch that is
 never written back. Nothing is synchronised lazily.
 
-The per-step derived tensors of the pool writes (slots of the new tokens, which
-of the batch's tokens are real rather than padding) are built once per forward
-pass in a ``BatchedDecodeContext`` and read by every layer.
+What the layers of one forward pass share is built once, by its first layer, in a
+``BatchedDecodeContext``: the slots of the new tokens, which of the batch's tokens
+are real rather than padding, and the batch's new offsets. A decode pass stages
+each layer's new K/V and writes them all after the last layer, one scatter per pool
+array. On an H200 (Llama-3.2-1B's shape, bf16, 8 requests, in process against
+mlx-lm's ``BatchGenerator``) that took the engine from 0.89x of stock, with two
+scatters and an offset add per layer, to level: 0.97x and 1.22x in two runs of 4
+rounds, 1.02x at one request, 1.11x on Llama-3-8B's shape at 8.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 - ``ContiguousKVCache``: one request's private K/V in a preallocated buffer,
   filled by slice assignment and grown by doubling.
 - ``PoolBackedCache``: one layer's view of a request whose K/V live in the shared
-  pool. The prefix is read from cached pages without copying; new K/V are written
-  once into pages the request owns. All layers of a request share one ``PageTable``.
+  pool, handed out at admission without copying; new K/V are written once into pages
+  the request owns. Merged into a batch, it is read through the batch buffer; run on
+  its own, through a private copy of what it attends to, filled from the pages once.
+  All layers of a request share one ``PageTable``.
 - ``OffsetCache``: no data, only an offset and masks, for code paths where a model
   needs a cache object but its K/V are held elsewhere.
 """
