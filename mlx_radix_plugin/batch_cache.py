@@ -283,7 +283,8 @@ class PoolBatchKVCache(_PoolWrites, BatchKVCache):
         prev, S = self._idx, keys.shape[2]
         if self.keys is None or prev + S > self.keys.shape[2]:
             fetched = BatchKVCache.update_and_fetch(self, keys, values)  # grows the buffer
-            ctx.offset = self.offset if ctx.offset is None else ctx.offset
+            if ctx.offset is None:
+                ctx.offset = self.offset
             self.offset = ctx.offset
             return fetched
         if ctx.offset is None:

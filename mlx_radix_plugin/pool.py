@@ -8,7 +8,8 @@ of two per layer, which on a GPU, where a small model's step is a few ms of most
 graph building, is the difference between the engine trailing stock mlx-lm and
 matching it. Rows are addressed with one flat index (``layer_row * slots + slot``):
 indexing a ``(layers, slots, ...)`` array with an integer and an index array takes
-MLX's two-index path, ~2x slower to gather and ~15x slower to scatter on the CPU.
+MLX's two-index scatter, ~15x slower on the CPU (2.1 s against 0.13 s to write a
+4,000-token prefill chunk into 30 layers).
 An array stops growing at ``max_array_elements`` (2**31 - 1, or Metal's largest
 buffer).
 
