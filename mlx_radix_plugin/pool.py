@@ -303,11 +303,11 @@ class KVPool:
         for g, layers in enumerate(self.groups):
             idx = (self._bases[g] + slots).reshape(-1)
             for new, arrays in ((keys, self.keys), (values, self.values)):
+                row = arrays[g].shape[1:]
                 x = mx.stack([new[i] for i in layers])
-                x = x.reshape(len(layers), -1, *arrays[g].shape[1:])
                 if rows is not None:
-                    x = x[:, rows]
-                arrays[g][idx] = x.reshape(-1, *arrays[g].shape[1:])
+                    x = x.reshape(len(layers), -1, *row)[:, rows]
+                arrays[g][idx] = x.reshape(-1, *row)
 
     def _index(self, layer: int, slots: mx.array) -> tuple[int, mx.array]:
         g, base = self._where[layer]
