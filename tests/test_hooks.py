@@ -163,3 +163,33 @@ def test_every_hook_is_documented_in_the_readme():
     for name in SPECS:
         params = ", ".join(inspect.signature(getattr(hookspecs, name)).parameters)
         assert f"`{name}({params})`" in readme, name
+
+
+def test_a_waiting_request_ends_the_decode_budget_after_one_step():
+    """Stock decodes for 0.5 s between looks at its queue; the host's server looks every step."""
+    import mlx_lm.server as server
+    from mlx_lm_hooks.server import install, uninstall
+
+    class Provider:  # what the generation thread touches while no request comes
+        def load_default(self):
+            pass
+
+        def reset(self):
+            pass
+
+    install(make_plugin_manager())
+    try:
+        generator = server.ResponseGenerator(Provider(), None)
+        generator.stop_and_join()
+    finally:
+        uninstall()
+    budget = generator._time_budget
+    steps = 0
+    for _ in budget:  # nothing waiting: steps go on until the 0.5 s are spent
+        steps += 1
+        if steps == 5:
+            break
+    assert steps == 5
+    generator.requests.put("a request")
+    assert sum(1 for _ in budget) == 1
+    assert sum(1 for _ in budget) == 1  # each look at the queue runs one step first

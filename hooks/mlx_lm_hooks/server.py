@@ -10,7 +10,9 @@ Where stock 0.32.2 breaks under pressure, the versions here hold, for every plug
 empty prompt ends stock's generation thread (``insert_segments`` raises outside any try),
 so it is refused with HTTP 400, as are a prompt longer than the model's context and one
 the tokenizer rejects (stock: 404); stock's listen backlog of 5 resets connections when
-more clients connect at once; a client hanging up mid-stream no longer prints a traceback.
+more clients connect at once; a client hanging up mid-stream no longer prints a traceback;
+a request that arrives while a batch decodes joins it at the next step, where stock leaves it
+queued until the generation thread's 0.5 s time budget runs out.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ def install(pm: pluggy.PluginManager) -> None:
     server.ModelProvider = _model_provider_class(_Installed.stock["ModelProvider"])
     server.LRUPromptCache = _prompt_cache
     server.BatchGenerator = _batch_generator
-    server.ResponseGenerator = _response_generator_class(_Installed.stock["ResponseGenerator"])
+    server.ResponseGenerator = _response_generator_class(
+        _Installed.stock["ResponseGenerator"], _waiting_budget_class(server.TimeBudget)
+    )
     server._run_http_server = _run_http_server
 
 
@@ -162,8 +166,41 @@ def _batch_generator(model, **kwargs):
     return generator
 
 
-def _response_generator_class(stock):
+def _waiting_budget_class(stock):
+    class TimeBudget(stock):
+        """Stock's budget of steps between looks at the request queue, which also ends
+        once a step has run and a request is waiting."""
+
+        def __init__(self, waiting, **kwargs):
+            super().__init__(**kwargs)
+            self._waiting = waiting
+            self._stepped = False
+
+        def __iter__(self):
+            self._stepped = False
+            return super().__iter__()
+
+        def __next__(self):
+            if self._stepped and self._waiting():
+                raise StopIteration
+            self._stepped = True
+            return super().__next__()
+
+    return TimeBudget
+
+
+def _response_generator_class(stock, budget):
     class ResponseGenerator(stock):
+        def __init__(self, model_provider, prompt_cache):
+            super().__init__(model_provider, prompt_cache)
+            # Stock decodes for 0.5 s between looks at the queue, so a request arriving
+            # mid-batch waited up to that long before it was even tokenized (on an H200,
+            # 1B x 8 requests: the late ones' first token came 430-520 ms after the others').
+            # Distributed ranks keep stock's budget: it is synchronised across them, and a
+            # rank-local look at the queue would put them out of step.
+            if not self._is_distributed:
+                self._time_budget = budget(lambda: not self.requests.empty())
+
         def _tokenize(self, tokenizer, request, args):
             # Runs on the generation thread, inside the try that turns an exception into
             # this request's error; what is refused here never reaches insert_segments.
