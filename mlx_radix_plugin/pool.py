@@ -133,21 +133,22 @@ def _max_array_elements(dtype: mx.Dtype) -> int:
 
 def layer_groups(specs: list[LayerSpec], slots: int, max_elements: int) -> list[list[int]]:
     """Runs of consecutive layers with the same K/V geometry, each within ``max_elements``."""
+
+    def geometry(s: LayerSpec) -> tuple[int, int, int]:
+        return s.kv_heads, s.k_head_dim, s.v_head_dim
+
     groups: list[list[int]] = []
     for layer, s in enumerate(specs):
         per_layer = slots * s.kv_heads * max(s.k_head_dim, s.v_head_dim)
-        if groups:
-            last = groups[-1]
-            first = specs[last[0]]
-            same = (first.kv_heads, first.k_head_dim, first.v_head_dim) == (
-                s.kv_heads,
-                s.k_head_dim,
-                s.v_head_dim,
-            )
-            if same and (len(last) + 1) * per_layer <= max_elements:
-                last.append(layer)
-                continue
-        groups.append([layer])
+        last = groups[-1] if groups else None
+        if (
+            last
+            and geometry(specs[last[0]]) == geometry(s)
+            and (len(last) + 1) * per_layer <= max_elements
+        ):
+            last.append(layer)
+        else:
+            groups.append([layer])
     return groups
 
 
