@@ -63,14 +63,14 @@ def serve(config_file, plugins, server_args, **options):
     from mlx_lm_hooks.plugins import UnknownPlugin
     from mlx_lm_hooks.server import serve as run_server
 
-    from .plugin import plugin
+    from .server.plugin import plugin
 
     overrides = {SERVE_OPTIONS[k]: v for k, v in options.items() if v is not None}
     _config_or_exit(cli=overrides, path=config_file)  # fail before anything starts
     plugin.configure(overrides, config_file)
     server_args = list(server_args)
     if not any(a == "--model" or a.startswith("--model=") for a in server_args):
-        from .default_model import DefaultModelError, default_model_path
+        from .models.default_model import DefaultModelError, default_model_path
 
         try:
             server_args += ["--model", str(default_model_path())]
@@ -145,7 +145,7 @@ def plugins_command():
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(args):
     """Benchmark against stock mlx_lm.server, side by side (`mlx-radix bench --help`)."""
-    from .bench import command  # imports MLX: only when benchmarking
+    from .tools.bench.command import command  # imports MLX: only when benchmarking
 
     command.main(list(args), prog_name="mlx-radix bench")
 
@@ -175,8 +175,8 @@ def doctor(model_path, config_file):
     import mlx.core as mx
     import mlx_lm
 
-    from .budget import device_memory, pool_budget_bytes
-    from .plugin import MLX_LM_VERSION
+    from .memory.budget import device_memory, pool_budget_bytes
+    from .server.plugin import MLX_LM_VERSION
 
     cfg = _config_or_exit(path=config_file)
     mem = device_memory()
@@ -206,8 +206,8 @@ def doctor(model_path, config_file):
 def _model_report(model_path, cfg, mem) -> dict:
     from mlx_lm import load
 
-    from .allocator import OutOfPages
-    from .pool import UnsupportedModel, inspect_model, model_nbytes, plan_pool_tokens
+    from .memory.allocator import OutOfPages
+    from .memory.pool import UnsupportedModel, inspect_model, model_nbytes, plan_pool_tokens
 
     model, _ = load(model_path)
     out = {"model": model_path, "model_bytes": model_nbytes(model)}
@@ -253,7 +253,7 @@ def _model_report(model_path, cfg, mem) -> dict:
 def soak(model_path, minutes, clients, pool_tokens, page_size, check_every, seed):
     """Concurrent clients against mlx_lm.server --plugin radix, invariants checked as it
     runs; one line of verdict, exit status 0 if everything held."""
-    from .soak import lines, soak_server
+    from .tools.soak import lines, soak_server
 
     report = soak_server(
         model_path,

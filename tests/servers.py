@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlx_radix_plugin.bench import ServerProcess, free_port  # noqa: F401
+from mlx_radix_plugin.tools.bench.command import ServerProcess, free_port  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

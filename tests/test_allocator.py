@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mlx_radix_plugin.allocator import OutOfPages, PageAllocator
+from mlx_radix_plugin.memory.allocator import OutOfPages, PageAllocator
 
 
 def test_pool_needs_a_page() -> None:

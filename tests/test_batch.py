@@ -8,8 +8,8 @@ from test_generation import KEY, no_eos
 from tiny_models import ARCHS
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
-from mlx_radix_plugin.batch_cache import BatchedDecodeContext, BatchRows, PoolBatchKVCache
-from mlx_radix_plugin.engine import RadixBatchGenerator
+from mlx_radix_plugin.cache.batch import BatchedDecodeContext, BatchRows, PoolBatchKVCache
+from mlx_radix_plugin.engine.generator import RadixBatchGenerator
 
 PS = 4
 

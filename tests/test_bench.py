@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm import load
 
-from mlx_radix_plugin.bench_report import RATIO_KEYS
-from mlx_radix_plugin.bench_workloads import PRESETS, WORKLOADS
 from mlx_radix_plugin.cli import cli
-from mlx_radix_plugin.random_model import SHAPES, TINY, build, words
+from mlx_radix_plugin.models.random_model import SHAPES, TINY, build, words
+from mlx_radix_plugin.tools.bench.report import RATIO_KEYS
+from mlx_radix_plugin.tools.bench.workloads import PRESETS, WORKLOADS
 
 # layers x (K, V) x KV heads x head dim x float32 bytes
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * (64 // 4) * 4
@@ -60,10 +60,10 @@ def test_bad_model_choices_are_named(tmp_path):
 
 
 def test_module_entry_point_is_the_same_command():
-    cmd = [sys.executable, "-m", "mlx_radix_plugin.bench", "--help"]
+    cmd = [sys.executable, "-m", "mlx_radix_plugin.tools.bench", "--help"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert r.returncode == 0
-    assert "Usage: python -m mlx_radix_plugin.bench [OPTIONS]" in r.stdout
+    assert "Usage: python -m mlx_radix_plugin.tools.bench [OPTIONS]" in r.stdout
     assert "--preset [smoke|small|medium]" in r.stdout
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mlx_radix_plugin.bench_report import (
+from mlx_radix_plugin.tools.bench.report import (
     RATIO_KEYS,
     acceptance,
     build_report,
@@ -17,7 +17,7 @@ from mlx_radix_plugin.bench_report import (
     write_charts,
     write_json,
 )
-from mlx_radix_plugin.bench_workloads import Burst, Decode, Memory, Reply, Run
+from mlx_radix_plugin.tools.bench.workloads import Burst, Decode, Memory, Reply, Run
 
 META = {
     "schema": 1,

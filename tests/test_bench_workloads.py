@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 from tiny_models import build_model
 
-from mlx_radix_plugin import bench_server, bench_workloads
-from mlx_radix_plugin.bench_server import PeakRSS
-from mlx_radix_plugin.bench_workloads import (
+from mlx_radix_plugin.models.random_model import TINY, build
+from mlx_radix_plugin.tools.bench import servers as bench_server
+from mlx_radix_plugin.tools.bench import workloads as bench_workloads
+from mlx_radix_plugin.tools.bench.servers import PeakRSS
+from mlx_radix_plugin.tools.bench.workloads import (
     PRESETS,
     Burst,
     Decode,
@@ -26,7 +28,6 @@ from mlx_radix_plugin.bench_workloads import (
     run_workload,
     single_token_words,
 )
-from mlx_radix_plugin.random_model import TINY, build
 
 WORDS = [f"t{i}" for i in range(2, 200)]
 

@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from mlx_radix_plugin import ContiguousKVCache, KVPool, LayerSpec, OffsetCache, PageTable
-from mlx_radix_plugin.caches import PoolBackedCache
+from mlx_radix_plugin.cache.pool_backed import PoolBackedCache
 
 H, D, PS, WINDOW = 2, 8, 4, 6
 

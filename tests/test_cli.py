@@ -71,7 +71,7 @@ def test_serve_rejects_bad_values_before_starting(run):
 def test_plugins_lists_installed_plugins_as_json(run):
     listed = json.loads(run("plugins").output)
     radix = next(p for p in listed if p["name"] == "radix")
-    assert radix["entry_point"] == "mlx_radix_plugin.plugin:plugin"
+    assert radix["entry_point"] == "mlx_radix_plugin.server.plugin:plugin"
     assert radix["package"] == "mlx-radix"
 
 

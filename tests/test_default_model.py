@@ -11,8 +11,8 @@ import zipfile
 import mlx.core as mx
 import pytest
 
-from mlx_radix_plugin import default_model
-from mlx_radix_plugin.default_model import CACHE_ENV, DefaultModelError, default_model_path
+from mlx_radix_plugin.models import default_model
+from mlx_radix_plugin.models.default_model import CACHE_ENV, DefaultModelError, default_model_path
 
 # Token ids from an independent implementation (OpenAI's GPT-2 BPE algorithm over the GGUF's
 # vocabulary and merges, digits split one by one first as llama.cpp's "smollm" pre-tokenizer

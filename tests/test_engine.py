@@ -10,7 +10,7 @@ from test_generation import KEY, CountingModel, no_eos
 from tiny_models import ARCHS
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
-from mlx_radix_plugin.engine import RadixBatchGenerator
+from mlx_radix_plugin.engine.generator import RadixBatchGenerator
 
 PS = 4
 

@@ -8,8 +8,8 @@ import pytest
 from mlx.utils import tree_flatten
 from tiny_models import CONFIGS, PROJECTION_SCALE
 
-from mlx_radix_plugin import gguf
-from mlx_radix_plugin.gguf import GGUFError, convert, dense_weights, mlx_name
+from mlx_radix_plugin.models import gguf
+from mlx_radix_plugin.models.gguf import GGUFError, convert, dense_weights, mlx_name
 
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he"]

@@ -6,8 +6,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from mlx_radix_plugin import gpu_bench
-from mlx_radix_plugin.random_model import TINY, build
+from mlx_radix_plugin.models.random_model import TINY, build
+from mlx_radix_plugin.tools import gpu_bench
 
 
 @pytest.mark.parametrize("tied", [True, False])

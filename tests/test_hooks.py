@@ -148,7 +148,7 @@ def test_startup_module_imports_nothing_heavy():
 def test_other_mlx_lm_version_is_refused_naming_the_pin(monkeypatch, capsys):
     import mlx_lm
 
-    from mlx_radix_plugin.plugin import check_mlx_lm_version
+    from mlx_radix_plugin.server.plugin import check_mlx_lm_version
 
     monkeypatch.setattr(mlx_lm, "__version__", "0.33.0")
     with pytest.raises(SystemExit) as exit_info:

@@ -7,7 +7,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm_hooks.server import RequestRecord
 
 from mlx_radix_plugin.config import load_config
-from mlx_radix_plugin.plugin import RadixPlugin
+from mlx_radix_plugin.server.plugin import RadixPlugin
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_requests_are_counted_by_finish_reason(plugin):
 
 
 def test_batch_generator_is_the_engine_when_the_pool_is_on(plugin, loaded):
-    from mlx_radix_plugin.engine import RadixBatchGenerator
+    from mlx_radix_plugin.engine.generator import RadixBatchGenerator
 
     model, _ = loaded("llama")
     p = plugin(**{"radix.pool_tokens": 256, "decode.max_batch_size": 4})

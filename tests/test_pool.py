@@ -7,9 +7,9 @@ from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 from tiny_models import ARCHS
 
 from mlx_radix_plugin import KVPool, LayerSpec, UnsupportedModel
-from mlx_radix_plugin.allocator import OutOfPages
-from mlx_radix_plugin.budget import DeviceMemory, device_memory, pool_budget_bytes
-from mlx_radix_plugin.pool import inspect_model, layer_groups, model_nbytes
+from mlx_radix_plugin.memory.allocator import OutOfPages
+from mlx_radix_plugin.memory.budget import DeviceMemory, device_memory, pool_budget_bytes
+from mlx_radix_plugin.memory.pool import inspect_model, layer_groups, model_nbytes
 
 
 @pytest.mark.parametrize("arch", ARCHS)

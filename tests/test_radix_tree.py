@@ -21,7 +21,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from mlx_radix_plugin.radix_tree import EVICTION_POLICIES, RadixTree, TreeNode
+from mlx_radix_plugin.memory.radix_tree import EVICTION_POLICIES, RadixTree, TreeNode
 
 NS = "model"
 

@@ -25,9 +25,10 @@ from test_batch import run_batch
 from test_generation import KEY, no_eos
 from tiny_models import build_model
 
-from mlx_radix_plugin import KVPool, RadixPromptCache, soak
-from mlx_radix_plugin.engine import RadixBatchGenerator
-from mlx_radix_plugin.plugin import RadixPlugin, is_loopback
+from mlx_radix_plugin import KVPool, RadixPromptCache
+from mlx_radix_plugin.engine.generator import RadixBatchGenerator
+from mlx_radix_plugin.server.plugin import RadixPlugin, is_loopback
+from mlx_radix_plugin.tools import soak
 
 PAGE = 4  # tokens per page in every radix server here (servers.server_env)
 CLIENTS = 16

@@ -6,7 +6,7 @@ spell of the machine hits both alike. Both get the same seeded requests; speed i
 reported as radix/stock ratios measured in the same run.
 
     mlx-radix bench --preset smoke --random smollm2-135m
-    python -m mlx_radix_plugin.bench --preset medium --model PATH --json results.json
+    python -m mlx_radix_plugin.tools.bench --preset medium --model PATH --json results.json
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from pathlib import Path
 
 import click
 
-from .bench_report import build_report, compare, table, write_charts, write_json
-from .bench_server import ServerProcess, free_port
-from .bench_workloads import (
+from ...models.random_model import EOS, SHAPES, build
+from .report import build_report, compare, table, write_charts, write_json
+from .servers import ServerProcess, free_port
+from .workloads import (
     PRESETS,
     WORKLOADS,
     Preset,
@@ -40,7 +41,6 @@ from .bench_workloads import (
     run_workload,
     single_token_words,
 )
-from .random_model import EOS, SHAPES, build
 
 __all__ = ["NO_EOS", "Requests", "ServerProcess", "command", "free_port", "run", "server_env"]
 
@@ -71,7 +71,7 @@ def server_env(hf_cache: Path, extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_RADIX_")}
     env.pop("MLX_LM_PLUGINS", None)
     here = [
-        str(Path(__file__).resolve().parent.parent),
+        str(Path(importlib.util.find_spec("mlx_radix_plugin").origin).parent.parent),
         str(Path(importlib.util.find_spec("mlx_lm_hooks").origin).parent.parent),
     ]
     pythonpath = [*dict.fromkeys(here), *filter(None, [env.get("PYTHONPATH")])]
@@ -237,7 +237,7 @@ def _model_choice(model: str | None, random_shape: str | None, dtype: str, tmp: 
                 param_hint="--model",
             )
         return path, str(path)
-    from .default_model import DefaultModelError, default_model_path
+    from ...models.default_model import DefaultModelError, default_model_path
 
     try:
         path = default_model_path(progress=True)
@@ -331,5 +331,5 @@ def command(preset, model, random_shape, dtype, only, seed, pool_tokens, ban_eos
         click.echo("charts: " + ", ".join(str(c) for c in charts))
 
 
-if __name__ == "__main__":
-    command(prog_name="python -m mlx_radix_plugin.bench")
+def main() -> None:
+    command(prog_name="python -m mlx_radix_plugin.tools.bench")

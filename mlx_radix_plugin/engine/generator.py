@@ -24,10 +24,11 @@ from collections import deque
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from .allocator import OutOfPages
-from .batch_cache import BatchRows, _PoolWrites
-from .caches import PageTable, PoolBackedCache
-from .prompt_cache import RadixPromptCache
+from ..cache.batch import BatchRows, _PoolWrites
+from ..cache.page_table import PageTable
+from ..cache.pool_backed import PoolBackedCache
+from ..cache.prompt_cache import RadixPromptCache
+from ..memory.allocator import OutOfPages
 
 log = logging.getLogger("mlx_radix")
 

@@ -17,10 +17,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
-from .allocator import OutOfPages
-from .config import Config
-from .pool import KVPool, UnsupportedModel
-from .prompt_cache import RadixPromptCache, idle_stats
+from ..cache.prompt_cache import RadixPromptCache, idle_stats
+from ..config import Config
+from ..memory.allocator import OutOfPages
+from ..memory.pool import KVPool, UnsupportedModel
 
 log = logging.getLogger("mlx_radix")
 

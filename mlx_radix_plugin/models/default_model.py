@@ -18,7 +18,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from .config import APP_NAME, CACHE_ENV
+from ..config import APP_NAME, CACHE_ENV
 from .gguf import GGUFError, convert, default_dtype
 
 MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -12,9 +12,9 @@ from typing import Any
 from mlx_lm_hooks.hookspecs import hookimpl
 from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 
+from ..cache.prompt_cache import idle_stats
+from ..config import Config, ConfigError, load_config
 from . import metrics
-from .config import Config, ConfigError, load_config
-from .prompt_cache import idle_stats
 from .server_cache import ServerPromptCache
 
 MLX_LM_VERSION = "0.32.2"
@@ -99,7 +99,7 @@ class RadixPlugin:
         capped = {**kwargs, **{k: min(kwargs.get(k, cap), cap) for k in sizes}}
         radix = self.cache.radix if self.cache is not None else None
         if radix is not None:
-            from .engine import RadixBatchGenerator
+            from ..engine.generator import RadixBatchGenerator
 
             return RadixBatchGenerator(model, radix, **capped)
         if capped == kwargs:

@@ -25,7 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
-from .bench_server import ServerProcess, event_text
+from .servers import ServerProcess, event_text
 
 Send = Callable[[Hashable, str, dict], str]
 Client = Callable[[Send], None]

@@ -18,10 +18,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .allocator import OutOfPages
-from .caches import ContiguousKVCache, PageTable, PoolBackedCache
-from .pool import KVPool
-from .radix_tree import RadixTree, TreeNode
+from ..memory.allocator import OutOfPages
+from ..memory.pool import KVPool
+from ..memory.radix_tree import RadixTree, TreeNode
+from .contiguous import ContiguousKVCache
+from .page_table import PageTable
+from .pool_backed import PoolBackedCache
 
 
 def _locked(method):

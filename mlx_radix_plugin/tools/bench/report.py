@@ -12,7 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .bench_workloads import Run, Workload
+from .workloads import Run, Workload
 
 SERVERS = ("stock", "radix")
 # Ratios are radix / stock: below 1 is better for times, tokens computed and memory,

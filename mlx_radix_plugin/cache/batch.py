@@ -35,9 +35,9 @@ import weakref
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
-from .allocator import OutOfPages
-from .caches import PageTable, PoolBackedCache
-from .pool import KVPool
+from ..memory.allocator import OutOfPages
+from ..memory.pool import KVPool
+from .page_table import PageTable
 
 log = logging.getLogger("mlx_radix")
 
@@ -196,7 +196,7 @@ class BatchRows:
 _merging: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _rows_for(caches: list[PoolBackedCache]) -> BatchRows:
+def _rows_for(caches: list) -> BatchRows:
     key = tuple(id(c.table) for c in caches)
     rows = _merging.get(key)
     if rows is None or rows.tables != [c.table for c in caches]:
@@ -215,13 +215,16 @@ class _PoolWrites:
     stock: type  # the mlx-lm batch cache this extends
 
     @classmethod
-    def from_pool_caches(cls, caches: list[PoolBackedCache]):
+    def from_pool_caches(cls, caches: list):
         # Copy-in: the batch buffer gets each request's cached K/V once, at admission.
         batch = cls.__new__(cls)
         rows = _rows_for(caches)
         batch.__dict__.update(cls._merged(caches, rows).__dict__)
         batch.layer = caches[0].layer
         batch.rows = rows
+        # What extract() hands back: the view type merged here (pool_backed.py imports
+        # this module, so it is not imported back).
+        batch.view = type(caches[0])
         # Evaluated when the last layer is merged, all layers together: one sync per
         # admission, not one per layer (on an H200, a 4,096-token hit on Llama-3-8B's
         # shape spends 7 ms here). It must run before the next write to the pool,
@@ -267,10 +270,10 @@ class _PoolWrites:
 
     def extract(self, idx):
         """The request's caches as views of its pages: committed without a copy."""
-        return PoolBackedCache(self.rows.tables[idx], self.layer, offset=self.rows.lengths[idx])
+        return self.view(self.rows.tables[idx], self.layer, offset=self.rows.lengths[idx])
 
     @classmethod
-    def _merged(cls, caches: list[PoolBackedCache], rows: BatchRows):
+    def _merged(cls, caches: list, rows: BatchRows):
         return cls.stock.merge([c.to_mlx_cache() for c in caches])
 
 
@@ -296,7 +299,7 @@ class PoolBatchKVCache(_PoolWrites, BatchKVCache):
         return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
 
     @classmethod
-    def _merged(cls, caches: list[PoolBackedCache], rows: BatchRows) -> BatchKVCache:
+    def _merged(cls, caches: list, rows: BatchRows) -> BatchKVCache:
         """mlx-lm's left-padded batch layout, gathered from the pages in one go per layer.
 
         (Stock ``merge`` of per-request copies costs three passes over the K/V; this

@@ -7,10 +7,10 @@ decode tokens/s at 1, 8 and 32 concurrent requests; time to first token on a cac
 Decode at one request is set against the memory-bandwidth floor: the bytes one step
 reads (weights + K/V) over the copy bandwidth measured on the same device.
 
-    python -m mlx_radix_plugin.gpu_bench --json gpu.json
-    python -m mlx_radix_plugin.gpu_bench --shape tiny --dtype float32   # CPU smoke run
+    python -m mlx_radix_plugin.tools.gpu_bench --json gpu.json
+    python -m mlx_radix_plugin.tools.gpu_bench --shape tiny --dtype float32   # CPU smoke run
 
-``python -m mlx_radix_plugin.gpu_bench serve-radix --model PATH ...`` is the plugin's
+``python -m mlx_radix_plugin.tools.gpu_bench serve-radix --model PATH ...`` is the plugin's
 server as the benchmark starts it (see ``serve_radix``).
 """
 
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .bench import NO_EOS, Requests, server_env
-from .bench_server import ServerProcess, free_port
-from .random_model import SHAPES, TINY, build, words
+from ..models.random_model import SHAPES, TINY, build, words
+from .bench.command import NO_EOS, Requests, server_env
+from .bench.servers import ServerProcess, free_port
 
 DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
 SERVERS = ("stock", "radix")
@@ -53,7 +53,7 @@ def serve_radix(argv: list[str]) -> None:
     from mlx_lm_hooks.plugins import get_plugin_manager
     from mlx_lm_hooks.server import serve
 
-    from .plugin import plugin
+    from ..server.plugin import plugin
 
     pm = get_plugin_manager()
     pm.register(plugin, name="radix")
@@ -266,7 +266,7 @@ def side_by_side(model_dir: Path, work: Path, pool_tokens: int):
     (work / "hf").mkdir(exist_ok=True)
     commands = {
         "stock": [sys.executable, "-m", "mlx_lm", "server"],
-        "radix": [sys.executable, "-m", "mlx_radix_plugin.gpu_bench", "serve-radix"],
+        "radix": [sys.executable, "-m", "mlx_radix_plugin.tools.gpu_bench", "serve-radix"],
     }
     envs = {"stock": {}, "radix": {"MLX_RADIX_POOL_TOKENS": str(pool_tokens)}}
     with contextlib.ExitStack() as stack:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bench_server import ServerProcess, event_text, free_port
+from .bench.servers import ServerProcess, event_text, free_port
 
 # Prompts are made of plain words: every tokenizer reads them, and shared prefixes stay
 # shared token for token.

@@ -1,0 +1,147 @@
+"""``PageTable``: one request's map from token positions to pool slots, shared by its layers."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from ..memory.pool import KVPool
+
+
+class _Hold:
+    """What a page table must give back: its page references and its tree lock."""
+
+    def __init__(self, pool: KVPool, pages: list[int], unlock: Callable[[], None] | None):
+        self.pool = pool
+        self.pages = pages
+        self.unlock = unlock
+        self.released = False
+
+    def __call__(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.pool.release_pages(self.pages)
+        self.pages.clear()
+        if self.unlock is not None:
+            self.unlock()
+
+
+class PageTable:
+    """One request's map from token positions to pool slots, shared by its layers.
+
+    Page ``i`` holds tokens ``[i * page_size, (i + 1) * page_size)``. The first
+    ``shared_tokens`` tokens sit in pages shared with the radix tree or other
+    requests and are never written: a write below that point first copies the
+    page it lands in (copy on write).
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        pages: list[int] | None = None,
+        shared_tokens: int = 0,
+        unlock: Callable[[], None] | None = None,
+    ):
+        self.pool = pool
+        self.pages = list(pages or [])
+        self.shared_tokens = shared_tokens
+        self.written = shared_tokens  # tokens whose K/V are in the pool, all layers
+        self.batches: weakref.WeakSet = weakref.WeakSet()  # running batches holding a row
+        # Set by RadixPromptCache.fetch_nearest_cache: whose prompt this is, how much of it
+        # the tree has, and the admitted request whose pages it waits for, if any.
+        self.model_key = None
+        self.tokens: list[int] | None = None
+        self.committed = 0
+        self.prompt_committed = True  # no prompt to commit unless fetch says so
+        self.overflowed = False  # the pool had no page for it: later tokens stay uncached
+        self.depends: tuple | None = None
+        self._hold = _Hold(pool, self.pages, unlock)
+        # Dropped without release() (a disconnect, an error): give back on the owner's thread.
+        self._finalizer = weakref.finalize(self, pool.defer, self._hold)
+        self._slots: mx.array | None = None
+        self._views: dict[tuple[int, int], mx.array] = {}
+
+    @property
+    def capacity(self) -> int:
+        return len(self.pages) * self.pool.page_size
+
+    @property
+    def released(self) -> bool:
+        return self._hold.released
+
+    @property
+    def in_batch(self) -> bool:
+        """Whether a running batch still decodes into this table."""
+        return any(self in rows.tables for rows in self.batches)
+
+    def adopt(self, start: int, pages: list[int]) -> None:
+        """Address tokens from ``start`` through ``pages`` (another request's, now written)."""
+        first = start // self.pool.page_size
+        old = self.pages[first : first + len(pages)]
+        if old != pages:
+            with self.pool.lock:
+                self.pool.allocator.incref(pages)
+                self.pages[first : first + len(pages)] = pages
+                self.pool.release_pages(old)
+            self._changed()
+
+    def relock(self, unlock: Callable[[], None]) -> None:
+        """Swap the tree lock this table holds (its pages were committed further)."""
+        old, self._hold.unlock = self._hold.unlock, unlock
+        if old is not None:
+            old()
+
+    def _changed(self) -> None:
+        self._slots = None
+        self._views.clear()
+
+    def slot(self, position: int) -> int:
+        """The pool slot of the token at ``position``."""
+        page, offset = divmod(position, self.pool.page_size)
+        return self.pages[page] * self.pool.page_size + offset
+
+    def slots(self, start: int, end: int) -> mx.array:
+        """Slot ids of tokens ``[start, end)``; built once per span, read by every layer."""
+        view = self._views.get((start, end))
+        if view is None:
+            if self._slots is None:
+                self._slots = self.pool.slots_of(self.pages)
+            if len(self._views) >= 8:
+                self._views.clear()
+            view = self._views[(start, end)] = self._slots[start:end]
+        return view
+
+    def prepare_write(self, start: int, end: int) -> None:
+        """Make tokens ``[start, end)`` writable: copy a shared page, add pages."""
+        if self.released:
+            raise RuntimeError("write to a page table that was already released")
+        ps = self.pool.page_size
+        if start < self.shared_tokens:
+            keep, partial = divmod(start, ps)
+            dropped = self.pages[keep:]
+            del self.pages[keep:]
+            if partial:
+                (page,) = self.pool.alloc_pages(1)
+                src = dropped[0] * ps + mx.arange(partial, dtype=mx.int32)
+                self.pool.copy(src, page * ps + mx.arange(partial, dtype=mx.int32))
+                self.pages.append(page)
+            self.pool.release_pages(dropped)
+            self.shared_tokens = keep * ps
+            self._changed()
+        need = -(-end // ps) - len(self.pages)
+        if need > 0:
+            self.pages.extend(self.pool.alloc_pages(need))
+            self._changed()
+
+    def __deepcopy__(self, memo) -> PageTable:
+        # A page table names pages of the one pool: copies of a batch share it.
+        return self
+
+    def release(self) -> None:
+        """Give back every page reference and the tree lock; idempotent."""
+        self._finalizer.detach()
+        self._hold()
+        self._changed()

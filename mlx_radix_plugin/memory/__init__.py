@@ -1,0 +1,1 @@
+"""KV memory: the page allocator and the radix tree (pure Python), the pool, the budget."""
