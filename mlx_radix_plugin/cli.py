@@ -150,23 +150,6 @@ def bench(args):
     command.main(list(args), prog_name="mlx-radix bench")
 
 
-def _blas_note() -> str | None:
-    """On Linux, whether MLX's CPU backend runs on the slow bundled reference BLAS."""
-    if platform.system() != "Linux":
-        return None
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    if "openblas" in maps.lower():
-        return "OpenBLAS is loaded: fast CPU matmuls"
-    return (
-        "MLX's CPU backend is using the slow bundled reference BLAS (~1.4 GFLOP/s). "
-        "Install libopenblas0-pthread and run with "
-        "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 (40-70x faster)"
-    )
-
-
 @cli.command()
 @click.option("--model", "model_path", help="Also check this model's architecture.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
@@ -189,7 +172,7 @@ def doctor(model_path, config_file):
         "device": str(mx.default_device()),
         "memory_usable_bytes": mem.usable_bytes,
         "memory_source": mem.source,
-        "blas": _blas_note(),
+        **_blas_report(),
     }
     frac = cfg["radix.mem_fraction"]
     report["pool_budget_bytes_before_model"] = pool_budget_bytes(frac, 0, mem)
@@ -201,6 +184,23 @@ def doctor(model_path, config_file):
     if not report["mlx_lm_ok"]:
         click.echo(f"mlx-radix needs mlx-lm=={MLX_LM_VERSION}", err=True)
         sys.exit(1)
+
+
+def _blas_report() -> dict:
+    """The BLAS that MLX's CPU matmuls use, measured; advice only when it is the slow one."""
+    from mlx_lm_hooks import blas
+
+    n = 1024
+    status = blas.preload()  # main() ran it first; this is its status
+    library, advice = blas.describe(status)
+    report = {
+        "blas": library,
+        "blas_gflops": f"{blas.measure(n):.1f} ({n}x{n} float32 matmul on the CPU)",
+        "blas_preload": status.reason,
+    }
+    if advice:
+        report["blas_advice"] = advice
+    return report
 
 
 def _model_report(model_path, cfg, mem) -> dict:
@@ -281,4 +281,7 @@ def build_cli(pm=None) -> click.Group:
 
 
 def main() -> None:
+    from mlx_lm_hooks import blas
+
+    blas.preload()  # before the plugins, which import mlx.core
     build_cli()()

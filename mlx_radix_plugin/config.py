@@ -25,6 +25,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 ENV_PREFIX = "MLX_RADIX_"
 CONFIG_ENV = "MLX_RADIX_CONFIG"
 CACHE_ENV = "MLX_RADIX_CACHE_DIR"  # where the default model is kept (default_model.py)
+BLAS_ENV = "MLX_RADIX_BLAS"  # "off": no OpenBLAS preload (mlx_lm_hooks.blas); not a setting
 APP_NAME = "mlx-radix"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -211,7 +212,7 @@ def load_config(
             values[key], sources[key] = value, f"file {file}"
 
     for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in (CONFIG_ENV, CACHE_ENV):
+        if not name.startswith(ENV_PREFIX) or name in (CONFIG_ENV, CACHE_ENV, BLAS_ENV):
             continue
         if name not in BY_ENV:
             raise _unknown(name, "the environment", BY_ENV)

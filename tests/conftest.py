@@ -11,9 +11,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # The installed start-up file (mlx_lm_hooks.pth) imported mlx_lm_hooks from site-packages
 # before pytest put this checkout on sys.path: forget it, so tests import the checkout's.
+# (The checkout's own folder, not the checkout: CI's .venv lies inside the checkout.)
 for _name in [m for m in sys.modules if m.split(".")[0] == "mlx_lm_hooks"]:
-    if not sys.modules[_name].__file__.startswith(str(Path(__file__).parent.parent)):
+    if not sys.modules[_name].__file__.startswith(str(Path(__file__).parent.parent / "hooks")):
         del sys.modules[_name]
+
+# Before anything imports mlx.core (tiny_models does): on Linux with mlx-cpu, OpenBLAS instead
+# of the bundled reference BLAS, as every entry point of mlx-radix does.
+from mlx_lm_hooks import blas  # noqa: E402
+
+blas.preload()
 
 from tiny_models import ARCHS, build_model  # noqa: E402
 

@@ -5,6 +5,7 @@ import json
 import click
 import pytest
 from click.testing import CliRunner
+from mlx_lm_hooks import blas
 from mlx_lm_hooks.hookspecs import hookimpl
 from mlx_lm_hooks.plugins import make_plugin_manager
 
@@ -79,6 +80,15 @@ def test_doctor_reports_backend_memory_and_model(run, model_dirs):
     result = run("doctor")
     assert "backend" in result.output and "memory_usable_bytes" in result.output
     assert "pool_budget_bytes_before_model" in result.output
+    report = dict(line.split(None, 1) for line in result.output.splitlines())
+    gflops, what = report["blas_gflops"].split(None, 1)
+    assert float(gflops) > 0 and what == "(1024x1024 float32 matmul on the CPU)"
+    status = blas.preload()  # what conftest did, before MLX was imported
+    assert report["blas_preload"] == status.reason
+    if status.loaded:  # Linux with mlx-cpu: the OpenBLAS, named by its path
+        assert report["blas"] == status.loaded and "blas_advice" not in report
+    else:
+        assert report["blas"] == blas.describe(status)[0]
     result = run("doctor", "--model", str(model_dirs["gemma3_text"]))
     assert result.exit_code == 0
     report = dict(line.split(None, 1) for line in result.output.splitlines())

@@ -2,9 +2,10 @@
 
 It must cost nothing and never raise. Unless a plugin was asked for (``--plugin``
 on the command line or ``MLX_LM_PLUGINS`` in the environment) it does nothing.
-Otherwise it waits for ``mlx_lm.server`` to be imported and wraps its ``main`` so
-that ``mlx_lm.server --plugin NAME``, ``mlx_lm server --plugin NAME`` and
-``python -m mlx_lm server --plugin NAME`` start the server with those plugins.
+Otherwise it loads a fast CPU BLAS for MLX where that applies (:mod:`.blas`: it must
+come before ``mlx.core`` is imported), then waits for ``mlx_lm.server`` to be imported and
+wraps its ``main`` so that ``mlx_lm.server --plugin NAME``, ``mlx_lm server --plugin NAME``
+and ``python -m mlx_lm server --plugin NAME`` start the server with those plugins.
 """
 
 import os
@@ -100,6 +101,9 @@ def bootstrap() -> None:
     try:
         if not _asked(sys.argv, os.environ):
             return
+        from . import blas
+
+        blas.preload()
         if any(isinstance(f, _ServerFinder) for f in sys.meta_path):
             return  # the .pth was seen twice
         if "mlx_lm.server" in sys.modules:

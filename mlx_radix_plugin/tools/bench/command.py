@@ -25,6 +25,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import click
+from mlx_lm_hooks import blas
 
 from ...models.random_model import EOS, SHAPES, build
 from .report import build_report, compare, table, write_charts, write_json
@@ -75,9 +76,19 @@ def server_env(hf_cache: Path, extra: dict[str, str]) -> dict[str, str]:
         str(Path(importlib.util.find_spec("mlx_lm_hooks").origin).parent.parent),
     ]
     pythonpath = [*dict.fromkeys(here), *filter(None, [env.get("PYTHONPATH")])]
-    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hf_cache), **extra)
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hf_cache), **blas_env(), **extra)
     env["PYTHONPATH"] = os.pathsep.join(pythonpath)
     return env
+
+
+def blas_env() -> dict[str, str]:
+    """Both servers get the BLAS this process got. Stock mlx_lm.server has no preload of its
+    own (the start-up file acts only when a plugin is asked for), so the OpenBLAS is handed
+    to both as ``LD_PRELOAD``, which the plugin's preload then leaves alone."""
+    status = blas.preload()
+    if status.loaded is None or os.environ.get("LD_PRELOAD"):
+        return {}
+    return {"LD_PRELOAD": ":".join(filter(None, [status.gfortran, status.loaded]))}
 
 
 def machine(pid: int) -> dict:
@@ -96,10 +107,12 @@ def _blas(pid: int) -> str | None:
     if sys.platform == "darwin":
         return "Accelerate"
     try:
-        maps = Path(f"/proc/{pid}/maps").read_text().lower()
+        maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return None
-    return "OpenBLAS" if "openblas" in maps else "MLX's bundled reference BLAS"
+    # The library this process preloaded, not any "openblas" (numpy's is prefixed, unused).
+    loaded = blas.preload().loaded
+    return loaded if loaded and loaded in maps else "MLX's bundled reference BLAS"
 
 
 def _log_tail(server: ServerProcess, lines: int = 30) -> str:

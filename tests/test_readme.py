@@ -1,0 +1,102 @@
+"""README.md as a user reads it: the first screen, the Python example, the links."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+FIRST_SCREEN = 25  # lines
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def fenced_block_after(text: str, heading: str, language: str) -> str:
+    """The first ```language block in the section whose heading contains ``heading``."""
+    sections = re.split(r"^#{1,6} ", text, flags=re.M)
+    for section in sections[1:]:
+        title = section.splitlines()[0]
+        if heading.lower() in title.lower():
+            match = re.search(rf"^```{language}\n(.*?)^```", section, flags=re.M | re.S)
+            assert match, f"no ```{language} block under the heading {title!r}"
+            return match.group(1)
+    raise AssertionError(f"README has no heading containing {heading!r}")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_first_screen_has_the_install_and_test_commands():
+    first = README.read_text().splitlines()[:FIRST_SCREEN]
+    install = [line for line in first if 'pip install ".[cpu,test]"' in line]
+    assert install and "mlx-radix serve" in install[0], "install-and-serve command not on top"
+    assert any(line.strip() == "python -m pytest" for line in first)
+
+
+def test_python_example_runs_and_reuses_pages(model_dirs, monkeypatch):
+    code = fenced_block_after(README.read_text(), "from Python", "python")
+    assert code.count('"path/to/model"') == 1, "the example's model path moved"
+    code = code.replace('"path/to/model"', repr(str(model_dirs["llama"])))
+
+    # The example sizes its pool from device memory, which on a CPU is 40% of the free RAM,
+    # allocated at once. The same sizing path runs here, on a small reading of that memory.
+    import mlx_radix_plugin.memory.pool as pool_module
+    from mlx_radix_plugin.memory.budget import DeviceMemory
+
+    monkeypatch.setattr(
+        pool_module,
+        "device_memory",
+        lambda: DeviceMemory(backend="cpu", usable_bytes=64 << 20, source="test"),
+    )
+
+    namespace: dict = {}
+    exec(compile(code, "README.md (Python example)", "exec"), namespace)
+    ask, prompt_cache, tokenizer = (namespace[k] for k in ("ask", "prompt_cache", "tokenizer"))
+
+    text = "You are a helpful assistant. Answer briefly. What is the capital of France?"
+    prompt = tokenizer.encode(text)
+    assert len(prompt) > 16, "the prompt should span more than one page"
+
+    first = ask(text)
+    assert isinstance(first, str)
+    assert prompt_cache.counters.hits == 0
+    assert prompt_cache.counters.cached_tokens == 0
+
+    second = ask(text)
+    assert isinstance(second, str)
+    assert prompt_cache.counters.hits == 1
+    # All of the prompt but its last token came from the pool: that one is always prefilled.
+    assert prompt_cache.counters.cached_tokens == len(prompt) - 1
+    assert second == first, "greedy output changed when served from cached pages"
+    stats = prompt_cache.stats()
+    assert stats["pages_cached"] > 0 and stats["requests_holding_pages"] == 0
+
+
+@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_point_to_existing_files(doc):
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)
+    links = [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
+    if doc == README:
+        assert any(t.startswith("docs/") for t in links), "README links no docs"
+    for target in links:
+        path, _, anchor = target.partition("#")
+        resolved = (doc.parent / path).resolve() if path else doc
+        assert resolved.is_file(), f"{doc.name}: {target} does not exist"
+        assert ROOT in resolved.parents, f"{doc.name}: {target} is outside the repository"
+        if anchor and resolved.suffix == ".md":
+            assert anchor in anchors(resolved), f"{doc.name}: no heading for #{anchor}"
+
+
+def test_docs_exist():
+    assert {p.name for p in DOCS} >= {"benchmarks.md", "gpu.md", "design.md"}
