@@ -27,6 +27,7 @@ SERVE_OPTIONS = {
     "mem_fraction": "radix.mem_fraction",
     "eviction": "radix.eviction",
     "max_batch_size": "decode.max_batch_size",
+    "shared_prefix": "decode.shared_prefix",
 }
 
 
@@ -57,6 +58,11 @@ def cli():
 @click.option("--mem-fraction", type=float, help="Share of device memory for model + pool.")
 @click.option("--eviction", type=click.Choice(["lru", "lfu"]), help="Eviction policy.")
 @click.option("--max-batch-size", type=int, help="Most requests decoded together.")
+@click.option(
+    "--shared-prefix",
+    type=click.Choice(["auto", "on", "off"]),
+    help="Read a prefix shared by decoding requests once (off: the exact path).",
+)
 @click.option("--plugin", "plugins", multiple=True, help="Activate another plugin too.")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve(config_file, plugins, server_args, **options):

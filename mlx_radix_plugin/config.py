@@ -79,6 +79,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("radix.eviction", "lru", "which cached prefixes go first", choices=("lru", "lfu")),
     Setting("decode.batched", True, "decode concurrent requests in one batch"),
     Setting("decode.max_batch_size", 32, "most requests decoded together", minimum=1, maximum=4096),
+    Setting(
+        "decode.shared_prefix",
+        "auto",
+        "read a prefix shared by several decoding requests once (auto: where measured faster; "
+        "off: the exact path, stock's kernels)",
+        choices=("auto", "on", "off"),
+    ),
     Setting("metrics.enabled", True, "serve Prometheus metrics at /metrics"),
     Setting("log_level", "INFO", "log level of mlx-radix", choices=LOG_LEVELS),
 )

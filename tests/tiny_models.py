@@ -75,6 +75,37 @@ CONFIGS: dict[str, dict] = {
         sliding_window_pattern=2,
         rope_local_base_freq=10000.0,
     ),
+    # Attention sinks, a sliding window of 8 on layer 0, experts.
+    "gpt_oss": dict(
+        _BASE,
+        model_type="gpt_oss",
+        num_hidden_layers=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    # Sliding layers (window 8) and a full one every fourth.
+    "olmo3": dict(_BASE, model_type="olmo3", num_hidden_layers=4, sliding_window=8),
+    # Layers 2-3 reuse the K/V of the last earlier layer of their kind (KV sharing); full
+    # layers have other head sizes than sliding ones (window 8).
+    "gemma4_text": dict(
+        _BASE,
+        model_type="gemma4_text",
+        num_hidden_layers=4,
+        head_dim=16,
+        global_head_dim=32,
+        num_key_value_heads=1,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        use_double_wide_mlp=False,
+        tie_word_embeddings=True,
+    ),
 }
 ARCHS = tuple(CONFIGS)
 

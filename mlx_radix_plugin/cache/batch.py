@@ -122,6 +122,11 @@ class BatchRows:
         self.merged: list = []  # layers merged so far, while mlx-lm merges layer by layer
         self._copy_in: tuple[tuple[int, ...], mx.array] | None = None
         self._op_calls = 0
+        # Shared-prefix decode (shared_batch.py): its groups and own slots, kept until rows
+        # join or leave, and the pass under way.
+        self.shared = None
+        self.shared_pass = None
+        self.version = 0  # bumped when rows join or leave
 
     def copy_in_slots(self, lengths: list[int]) -> mx.array:
         """Slots of every row's cached tokens, left-padded to the longest; built once.
@@ -174,11 +179,15 @@ class BatchRows:
     def filter(self, keep: list[int]) -> None:
         self.tables = [self.tables[i] for i in keep]
         self.lengths = [self.lengths[i] for i in keep]
+        self.shared = None
+        self.version += 1
 
     def extend(self, other: BatchRows) -> None:
         self.tables = self.tables + other.tables
         self.lengths = self.lengths + other.lengths
         self._join(other.tables)
+        self.shared = None
+        self.version += 1
 
     def _join(self, tables: list[PageTable]) -> None:
         for t in tables:
@@ -190,6 +199,12 @@ class BatchRows:
         rows.prompt_lengths = None if self.prompt_lengths is None else list(self.prompt_lengths)
         rows.processed = self.processed
         return rows
+
+
+def rows_of(caches: list) -> BatchRows | None:
+    """The rows behind a batch's caches, if they are the pool's (either kind of batch)."""
+    rows = getattr(caches[0], "rows", None) if caches else None
+    return rows if isinstance(rows, BatchRows) else None
 
 
 # Layers of one merge share one BatchRows: mlx-lm merges a batch layer by layer.

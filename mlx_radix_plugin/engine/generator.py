@@ -24,11 +24,13 @@ from collections import deque
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from ..cache.batch import BatchRows, _PoolWrites
+from ..cache.batch import rows_of
 from ..cache.page_table import PageTable
 from ..cache.pool_backed import PoolBackedCache
 from ..cache.prompt_cache import RadixPromptCache
 from ..memory.allocator import OutOfPages
+from . import attention
+from .decode_path import RULES, DecodePath
 
 log = logging.getLogger("mlx_radix")
 
@@ -41,11 +43,22 @@ def _table(sequence) -> PageTable | None:
 
 
 class RadixBatchGenerator(BatchGenerator):
-    def __init__(self, model, radix: RadixPromptCache, **kwargs):
+    def __init__(self, model, radix: RadixPromptCache, *, shared_prefix: str = "off", **kwargs):
+        """``shared_prefix``: ``auto``, ``on`` or ``off`` (engine/decode_path.py)."""
         super().__init__(model, **kwargs)
         self.radix = radix
         radix.share_inflight = True
         self._ran = False
+        calls = attention.attention_calls(model, radix.pool) if shared_prefix != "off" else 0
+        if calls is None:
+            log.info(
+                "shared-prefix decode off: this model attends outside mlx-lm's "
+                "scaled_dot_product_attention or its layers' caches"
+            )
+            shared_prefix = "off"
+        backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
+        self.decode_path = DecodePath(shared_prefix, RULES[backend], calls or 0)
+        self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
 
     def close(self):
         self.radix.share_inflight = False
@@ -135,8 +148,8 @@ class RadixBatchGenerator(BatchGenerator):
                 table = _table(self._unprocessed_sequences[idx])
             else:
                 batch = self._prompt_batch if stage == 1 else self._generation_batch
-                cache = batch.prompt_cache
-                table = cache[0].rows.tables[idx] if isinstance(cache[0], _PoolWrites) else None
+                rows = rows_of(batch.prompt_cache)
+                table = rows.tables[idx] if rows is not None else None
             if table is not None:
                 tables.append(table)
         return tables
@@ -159,6 +172,7 @@ class RadixBatchGenerator(BatchGenerator):
         # Requests that finish in this call give their pages back when the server
         # commits them, right after it: until then they still count as running.
         self._ran = bool(len(self._prompt_batch) or len(self._generation_batch))
+        self.decode_path.prepare(self._generation_batch)
         responses = super()._next()
         # mlx-lm evaluates what the next tokens need, not our page writes: they are
         # scheduled here, behind the step that made them, without waiting for it.
@@ -167,10 +181,10 @@ class RadixBatchGenerator(BatchGenerator):
         # in a burst of 8 x 500 tokens on a 262k-token pool, 0.02 s when run here), and
         # every admission's synchronisation would wait for the pile.
         mx.async_eval(self.radix.pool.arrays)
+        self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
         for batch in (self._prompt_batch, self._generation_batch):
-            cache = batch.prompt_cache
-            if cache and isinstance(cache[0], _PoolWrites):
-                rows: BatchRows = cache[0].rows
+            rows = rows_of(batch.prompt_cache)
+            if rows is not None:
                 for table in rows.tables:
                     if not table.prompt_committed:
                         self.radix.commit_progress(table)

@@ -34,6 +34,22 @@ METRICS = {
         "gauge",
         "Requests holding pool pages.",
     ),
+    "decode_rows": ("mlx_radix_decode_rows", "gauge", "Requests in the decode batch."),
+    "decode_groups": (
+        "mlx_radix_decode_groups",
+        "gauge",
+        "Groups of decoding requests that read their shared prefix once.",
+    ),
+    "decode_shared_tokens": (
+        "mlx_radix_decode_shared_tokens",
+        "gauge",
+        "Tokens of prefixes the decode batch reads once for several requests.",
+    ),
+    "batch_buffer_bytes": (
+        "mlx_radix_batch_buffer_bytes",
+        "gauge",
+        "K/V bytes the running batches hold outside the pool (copies of cached prefixes).",
+    ),
 }
 
 
@@ -46,6 +62,12 @@ def render(stats: Mapping, requests: Mapping[str, int]) -> str:
         "# HELP mlx_radix_fallback 1 when the radix path is off for the loaded model.",
         "# TYPE mlx_radix_fallback gauge",
         f'mlx_radix_fallback{{reason="{_escape(reason or "")}"}} {int(reason is not None)}',
+        "# HELP mlx_radix_decode_path 1 for the path the decode batch takes (shared or exact).",
+        "# TYPE mlx_radix_decode_path gauge",
+        *(
+            f'mlx_radix_decode_path{{path="{path}"}} {int(stats.get("decode_path") == path)}'
+            for path in ("shared", "exact")
+        ),
         "# HELP mlx_radix_requests_total Requests ended, by finish reason.",
         "# TYPE mlx_radix_requests_total counter",
     ]

@@ -6,6 +6,7 @@ import ipaddress
 import logging
 import socket
 import sys
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -14,6 +15,8 @@ from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 
 from ..cache.prompt_cache import idle_stats
 from ..config import Config, ConfigError, load_config
+from ..engine.decode_path import idle_stats as idle_decode_stats
+from ..engine.generator import RadixBatchGenerator
 from . import metrics
 from .server_cache import ServerPromptCache
 
@@ -75,6 +78,7 @@ class RadixPlugin:
         self.config: Config | None = None
         self.cache: ServerPromptCache | None = None
         self.requests: Counter[str] = Counter()
+        self.engine: weakref.ref = lambda: None  # the batch generator built last
 
     def configure(self, overrides: dict[str, Any], path: str | None = None) -> None:
         """Command-line values for the next server start (``mlx-radix serve``)."""
@@ -120,9 +124,11 @@ class RadixPlugin:
         capped = {**kwargs, **{k: min(kwargs.get(k, cap), cap) for k in sizes}}
         radix = self.cache.radix if self.cache is not None else None
         if radix is not None:
-            from ..engine.generator import RadixBatchGenerator
-
-            return RadixBatchGenerator(model, radix, **capped)
+            engine = RadixBatchGenerator(
+                model, radix, shared_prefix=self.config["decode.shared_prefix"], **capped
+            )
+            self.engine = weakref.ref(engine)
+            return engine
         if capped == kwargs:
             return None
         from mlx_lm.generate import BatchGenerator
@@ -144,6 +150,12 @@ class RadixPlugin:
         else:
             stats = idle_stats(self.config["radix.page_size"], "radix.enabled is false")
             stats["model"] = None
+        engine = self.engine()
+        radix = self.cache.radix if self.cache is not None else None
+        if engine is not None and radix is not None and engine.radix is radix:
+            stats.update(engine.decode_stats)
+        else:  # nothing decodes from this pool yet
+            stats.update(idle_decode_stats(self.config["decode.shared_prefix"]))
         stats["requests"] = dict(self.requests)
         return stats
 

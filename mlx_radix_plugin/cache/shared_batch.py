@@ -1,0 +1,283 @@
+"""The decode batch of shared-prefix decode: no batch buffer, every read straight from the pool.
+
+mlx-lm's batch caches (``batch.py``) keep a left-padded buffer holding each row's whole
+context, so N requests on one P-token prefix hold N copies of it and every decode step
+reads all N. Here the pool is the only copy. Each row is placed in a ``PrefixGroup``
+(``memory/prefix_groups.py``): the rows of a group attend to their shared prefix through
+one read of its pages for all of them, and each row to its own tokens (what follows its
+group's prefix) and to the token of this step. The attention itself is in
+``engine/attention.py``; this module keeps what every layer of a pass reads:
+
+- ``SharedPrefixBatchCache``, one per layer, an ``OffsetCache``: it carries the rows'
+  positions (for RoPE) and stages the step's new K/V for the pool, which is written after
+  the pass's last read (see ``SharedPass``); it holds no K/V of its own.
+- ``SharedRows``: the groups and each row's own slots, kept between passes and rebuilt
+  only when rows join or leave (the own slots grow by one column a step).
+- ``SharedPass``: what one pass's layers share, built by its first layer: the gather
+  indices and masks. Every layer reads the pool before the pass writes to it (after its
+  last attention call): the writes are then evaluated after the step's logits, and MLX
+  updates the pool's arrays in place (a write evaluated together with a read of the same
+  array copies the whole array: ``memory/pool.py``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..memory.prefix_groups import PrefixGroup, group_rows
+from .batch import BatchRows
+from .offset import OffsetCache
+
+
+class SharedRows:
+    """A shared-prefix batch's groups and each row's own slots, kept between passes."""
+
+    def __init__(self, rows: BatchRows):
+        pool = rows.pool
+        ps = pool.page_size
+        self.groups: list[PrefixGroup] = group_rows(
+            [t.pages for t in rows.tables], rows.lengths, ps
+        )
+        B = len(rows.tables)
+        starts = [0] * B
+        for g in self.groups:
+            for r in g.rows:
+                starts[r] = g.tokens(ps)
+        own = [n - s for n, s in zip(rows.lengths, starts)]
+        width = max(own)
+        # Right-aligned, so that a step appends one column for every row.
+        slots = [
+            [0] * (width - n) + [t.slot(p) for p in range(s, s + n)]
+            for t, s, n in zip(rows.tables, starts, own)
+        ]
+        self.own_slots = mx.array(slots, dtype=mx.int32).reshape(B, width)
+        self.pad = mx.array([width - n for n in own], dtype=mx.int32)[:, None]
+        self.positions = mx.array(rows.lengths, dtype=mx.int32)
+        self.prefixed = [g for g in self.groups if g.pages]
+        # Rows in the order the prefix parts are computed (each group's, then rows with
+        # no prefix), and the take that puts them back in batch order (None: already).
+        order = [r for g in self.prefixed for r in g.rows]
+        order += sorted(set(range(B)) - set(order))
+        self.unprefixed = B - sum(len(g.rows) for g in self.prefixed)
+        self.restore = (
+            None
+            if order == list(range(B))
+            else mx.array(sorted(range(B), key=order.__getitem__), dtype=mx.int32)
+        )
+        self.group_rows = [
+            None if list(g.rows) == list(range(B)) else mx.array(g.rows, dtype=mx.int32)
+            for g in self.prefixed
+        ]
+        self._prefix_slots = [
+            (
+                mx.array(g.pages, dtype=mx.int32)[:, None] * ps + mx.arange(ps, dtype=mx.int32)
+            ).reshape(-1)
+            for g in self.prefixed
+        ]
+        self._prefix_index: dict[tuple[int, int], mx.array] = {}
+
+    def shared_tokens(self, page_size: int) -> int:
+        """Tokens of the prefixes read once for several rows."""
+        return sum(g.tokens(page_size) for g in self.groups if len(g.rows) > 1)
+
+    def prefix_index(self, group: int, heads: int) -> mx.array:
+        """Rows of a ``(slots * heads, dim)`` view that hold group ``group``'s prefix,
+        ``(heads, tokens)``: one gather lays it out as attention reads it."""
+        key = (group, heads)
+        index = self._prefix_index.get(key)
+        if index is None:
+            index = (
+                self._prefix_slots[group][None, :] * heads
+                + mx.arange(heads, dtype=mx.int32)[:, None]
+            )
+            self._prefix_index[key] = index
+        return index
+
+    def advance(self, write_slots: mx.array) -> None:
+        """After a pass: each row's new token is one more of its own."""
+        self.own_slots = mx.concatenate([self.own_slots, write_slots[:, None]], axis=1)
+        self.positions = self.positions + 1
+
+
+class SharedPass:
+    """What the layers of one shared-prefix decode pass read, built by its first layer."""
+
+    def __init__(self, rows: BatchRows, shared: SharedRows):
+        self.pool = rows.pool
+        self.shared = shared
+        self.positions = shared.positions
+        self.lengths = list(rows.lengths)  # the same, as ints
+        width = shared.own_slots.shape[1]
+        self.own_width = width
+        self.own_valid = mx.arange(width, dtype=mx.int32)[None, :] >= shared.pad  # (B, width)
+        self._own_index: dict[int, mx.array] = {}
+        self._masks: dict[tuple, mx.array | str | None] = {}
+        self.calls = 0  # attention calls so far
+        self.owned: list[int] = []  # ids of this pass's entries in _owners
+
+    def sources(self, layer: int) -> tuple[mx.array, mx.array]:
+        """Layer ``layer``'s K and V rows as ``(slots * heads, dim)`` views, no copy."""
+        g, base = self.pool._where[layer]
+        slots = self.pool.num_pages * self.pool.page_size
+        k, v = self.pool.keys[g], self.pool.values[g]
+        return (
+            k[base : base + slots].reshape(-1, k.shape[-1]),
+            v[base : base + slots].reshape(-1, v.shape[-1]),
+        )
+
+    def own_index(self, heads: int) -> mx.array:
+        """``(B, heads, width)`` rows of the flat view holding each row's own tokens."""
+        index = self._own_index.get(heads)
+        if index is None:
+            own = self.shared.own_slots
+            index = own[:, None, :] * heads + mx.arange(heads, dtype=mx.int32)[None, :, None]
+            self._own_index[heads] = index
+        return index
+
+    def own_mask(self, window: int | None) -> mx.array:
+        """``(B, 1, 1, width)``: which own columns a row's query sees (padding, window)."""
+        key = ("own", window)
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = self.own_valid
+            if window is not None:
+                # Column j of row i holds position positions[i] - width + j.
+                first = self.positions[:, None] - window + 1  # oldest position in the window
+                pos = self.positions[:, None] - self.own_width + mx.arange(self.own_width)[None]
+                mask = mask & (pos >= first)
+            mask = self._masks[key] = mask[:, None, None, :]
+        return mask
+
+    def prefix_mask(self, group: int, window: int | None) -> mx.array | str | None:
+        """Which prefix positions each query row of group ``group`` sees in a layer with
+        ``window``: None (all), ``"none"`` (the window has left the prefix for every row),
+        or ``(rows, tokens)`` booleans."""
+        if window is None:
+            return None
+        key = ("prefix", group, window)
+        if key in self._masks:
+            return self._masks[key]
+        g = self.shared.prefixed[group]
+        tokens = len(g.pages) * self.pool.page_size
+        first = [self.lengths[r] - window + 1 for r in g.rows]
+        if min(first) >= tokens:
+            mask: mx.array | str | None = "none"
+        elif max(first) <= 0:
+            mask = None
+        else:
+            mask = mx.arange(tokens)[None, :] >= mx.array(first)[:, None]  # (rows, tokens)
+        self._masks[key] = mask
+        return mask
+
+
+# The step's new K of every layer of the passes under way, by id (the array is kept, so the
+# id stays its own until the pass ends): a layer that attends with another layer's K/V
+# (gemma4's KV sharing) is handed that K and no cache, and is served through its owner.
+_owners: dict[int, tuple[mx.array, SharedPrefixBatchCache]] = {}
+
+
+def owner_of(keys: mx.array) -> SharedPrefixBatchCache | None:
+    """The shared-prefix cache whose ``update_and_fetch`` returned ``keys`` this pass."""
+    entry = _owners.get(id(keys))
+    return entry[1] if entry is not None and entry[0] is keys else None
+
+
+class SharedPrefixBatchCache(OffsetCache):
+    """One layer of a decode batch whose K/V are read from the pool by the patched attention."""
+
+    def __init__(self, rows: BatchRows, layer: int, view: type, attention_calls: int):
+        self.rows = rows
+        self.layer = layer
+        self.window = rows.pool.specs[layer].window
+        self.view = view  # what extract() hands back (a PoolBackedCache)
+        # Attention calls in one forward pass: one a layer, and one more for each layer that
+        # reuses another's K/V. The pass ends after the last (engine/attention.py counts).
+        self.attention_calls = attention_calls
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position for this step's token (``mx.fast.rope`` takes an array)."""
+        return self._shared().positions
+
+    def _shared(self) -> SharedRows:
+        rows = self.rows
+        if rows.shared is None:
+            rows.shared = SharedRows(rows)
+        return rows.shared
+
+    @property
+    def step(self) -> SharedPass:
+        """The pass under way (set by its first layer)."""
+        return self.rows.shared_pass
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Stage this step's K/V for the pool; hand them back for the attention to use."""
+        if keys.shape[2] != 1:
+            raise ValueError(
+                f"a shared-prefix batch decodes one token a row, got {keys.shape[2]}; "
+                "prompts are processed by the batch caches of batch.py"
+            )
+        rows = self.rows
+        ctx = rows.ctx
+        if ctx is None:
+            ctx = rows.begin(1)
+            rows.shared_pass = SharedPass(rows, self._shared())
+        if ctx.any:
+            ctx.write(rows.pool, self.layer, keys, values)
+        _owners[id(keys)] = (keys, self)
+        rows.shared_pass.owned.append(id(keys))
+        return keys, values
+
+    def attended(self) -> None:
+        """Called by the attention after its reads: the last call ends the pass, and the
+        step's K/V go to the pool after every read of it (``SharedPass``)."""
+        rows = self.rows
+        step = rows.shared_pass
+        step.calls += 1
+        if step.calls < self.attention_calls:
+            return
+        ctx = rows.ctx
+        if len(ctx.valid) != sum(ctx.valid):
+            raise RuntimeError(
+                "a row of a shared-prefix batch had no page for its token: the engine "
+                "reserves them before each step"
+            )
+        for key in step.owned:
+            _owners.pop(key, None)
+        write_slots = ctx.write_slots
+        rows.end()
+        rows.shared_pass = None
+        rows.shared.advance(write_slots)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        # The patched attention builds its own masks from the pass.
+        return None
+
+    def filter(self, batch_indices) -> None:
+        keep = list(batch_indices)
+        self.rows.once(lambda: self.rows.filter(keep))
+
+    def extend(self, other) -> None:
+        """Take the rows of another batch (mlx-lm's, holding a buffer): no K/V copied."""
+        self.rows.once(lambda: self.rows.extend(other.rows))
+        other.rows = self.rows
+
+    def extract(self, idx: int):
+        return self.view(self.rows.tables[idx], self.layer, offset=self.rows.lengths[idx])
+
+    @property
+    def state(self):
+        return ()
+
+    def size(self) -> int:
+        return 0
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return not self.rows.tables
+
+    @property
+    def nbytes(self) -> int:
+        return 0

@@ -1,0 +1,153 @@
+"""Which way a decode batch reads its K/V: mlx-lm's batch buffer, or shared prefixes once.
+
+``decode.shared_prefix``:
+- ``off``: mlx-lm's batch caches over a buffer holding every row's context (the exact
+  path: stock's kernels on the same data, bitwise stock logits);
+- ``on``: every decode batch reads straight from the pool, shared prefixes once
+  (``cache/shared_batch.py``, ``engine/attention.py``);
+- ``auto``: the shared path where the rule below says it is faster, else the exact one.
+
+The batch changes path between steps, when rows join or leave: to the shared path by
+dropping the buffer (every token is already in the pool), back by filling a buffer from
+the pool, as admission does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cache.batch import BatchRows
+from ..cache.pool_backed import PoolBackedCache
+from ..cache.shared_batch import SharedPrefixBatchCache
+from ..memory.allocator import OutOfPages
+from ..memory.prefix_groups import PrefixGroup, group_rows
+
+MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class SharedPrefixRule:
+    """When ``auto`` takes the shared path: the token reads it saves per layer, per step.
+
+    Stock reads ``rows x longest context`` tokens per layer (its buffer is padded to the
+    longest row); the shared path reads each group's prefix once plus every row's own
+    tokens, but runs more operations per layer, a fixed cost that saved reads must cover.
+    """
+
+    min_saved_tokens: int
+    min_saved_fraction: float
+
+    def takes_shared(self, groups: list[PrefixGroup], lengths: list[int], page_size: int) -> bool:
+        stock = len(lengths) * max(lengths)
+        shared = sum(g.tokens(page_size) for g in groups)
+        starts = {r: g.tokens(page_size) for g in groups for r in g.rows}
+        own = max(n - starts[r] for r, n in enumerate(lengths))
+        shared += len(lengths) * own
+        saved = stock - shared
+        return saved >= self.min_saved_tokens and saved >= self.min_saved_fraction * stock
+
+
+# Measured per backend; see the module docstring of engine/attention.py for the numbers.
+RULES = {
+    "cpu": SharedPrefixRule(min_saved_tokens=8192, min_saved_fraction=0.5),
+    "gpu": SharedPrefixRule(min_saved_tokens=16384, min_saved_fraction=0.5),
+}
+
+
+def idle_stats(mode: str) -> dict:
+    """``DecodePath.stats`` while nothing decodes."""
+    return {
+        "decode_shared_prefix": mode,
+        "decode_path": None,
+        "decode_rows": 0,
+        "decode_groups": 0,
+        "decode_shared_tokens": 0,
+        "batch_buffer_bytes": 0,
+    }
+
+
+class DecodePath:
+    """Puts a generation batch on the path ``mode`` asks for, before each step."""
+
+    def __init__(self, mode: str, rule: SharedPrefixRule, attention_calls: int = 0):
+        """``attention_calls``: per forward pass (``attention.attention_calls``)."""
+        if mode not in MODES:
+            raise ValueError(
+                f"decode.shared_prefix must be one of {', '.join(MODES)}, got {mode!r}"
+            )
+        self.mode = mode
+        self.rule = rule
+        self.attention_calls = attention_calls
+        self._decided: tuple[int, int, bool] | None = None  # (id of rows, version, shared)
+
+    def prepare(self, batch) -> None:
+        """Before ``batch`` (mlx-lm's GenerationBatch) steps: switch path if it should."""
+        caches = batch.prompt_cache
+        if self.mode == "off" or not caches:
+            return
+        rows = getattr(caches[0], "rows", None)
+        if not isinstance(rows, BatchRows):
+            return
+        shared = isinstance(caches[0], SharedPrefixBatchCache)
+        want = self._wants_shared(rows)
+        if want and not self._reserve_next(rows):
+            want = False  # a row has no page for its next token: the exact path copes
+        if want and not shared:
+            rows.shared = None  # what an earlier shared spell kept is stale now
+            batch.prompt_cache = [
+                SharedPrefixBatchCache(rows, layer, c.view, self.attention_calls)
+                for layer, c in enumerate(caches)
+            ]
+        elif shared and not want:
+            batch.prompt_cache = self._exact_caches(rows, caches)
+
+    def _wants_shared(self, rows: BatchRows) -> bool:
+        if any(t.overflowed or t.released for t in rows.tables):
+            return False  # part of its K/V is only in a buffer
+        if self.mode == "on":
+            return True
+        key = (id(rows), rows.version)
+        if self._decided is None or self._decided[:2] != key:
+            ps = rows.pool.page_size
+            groups = group_rows([t.pages for t in rows.tables], rows.lengths, ps)
+            self._decided = (*key, self.rule.takes_shared(groups, rows.lengths, ps))
+        return self._decided[2]
+
+    def stats(self, generation, prompt) -> dict:
+        """What ``/v1/cache/stats`` shows of decoding: the path, the rows, the prefixes read
+        once, and the K/V the batches hold outside the pool (mlx-lm's buffers)."""
+        if generation is None:
+            return idle_stats(self.mode)
+        caches = generation.prompt_cache
+        rows = getattr(caches[0], "rows", None) if caches else None
+        shared = isinstance(rows, BatchRows) and isinstance(caches[0], SharedPrefixBatchCache)
+        groups = rows.shared.groups if shared and rows.shared is not None else []
+        ps = rows.pool.page_size if isinstance(rows, BatchRows) else 0
+        return {
+            "decode_shared_prefix": self.mode,
+            "decode_path": None if not caches else "shared" if shared else "exact",
+            "decode_rows": len(generation),
+            "decode_groups": sum(len(g.rows) > 1 for g in groups),
+            "decode_shared_tokens": sum(g.tokens(ps) for g in groups if len(g.rows) > 1),
+            "batch_buffer_bytes": sum(c.nbytes for c in caches)
+            + sum(c.nbytes for c in prompt.prompt_cache),
+        }
+
+    @staticmethod
+    def _reserve_next(rows: BatchRows) -> bool:
+        """Make sure every row has a slot for the token this step writes."""
+        try:
+            for table, n in zip(rows.tables, rows.lengths):
+                table.prepare_write(n, n + 1)
+        except OutOfPages:
+            return False
+        return True
+
+    @staticmethod
+    def _exact_caches(rows: BatchRows, caches: list) -> list:
+        """mlx-lm's batch caches for these rows, their buffers filled from the pool."""
+        views = [
+            [c.view(t, layer, offset=n) for layer, c in enumerate(caches)]
+            for t, n in zip(rows.tables, rows.lengths)
+        ]
+        return [PoolBackedCache.merge([v[layer] for v in views]) for layer in range(len(caches))]

@@ -1,0 +1,342 @@
+"""Shared-prefix decode: each shared prefix read once, logits within tolerance of stock's.
+
+Every scenario runs the same requests through stock mlx-lm's ``BatchGenerator`` and through
+the engine with ``decode.shared_prefix = "on"``, recording the float32 logits each request
+is sampled from, and checks at every step: max |logit - stock's| <= FIDELITY_TOLERANCE x
+max |stock's logit|, and the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import base
+from test_generation import KEY
+from tiny_models import ARCHS
+
+from mlx_radix_plugin import KVPool, RadixPromptCache
+from mlx_radix_plugin.cache.shared_batch import SharedPrefixBatchCache
+from mlx_radix_plugin.engine import attention
+from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
+from mlx_radix_plugin.engine.decode_path import SharedPrefixRule
+from mlx_radix_plugin.engine.generator import RadixBatchGenerator
+
+PS = 4
+
+
+class Recorder:
+    """Logits processors that keep what each request is sampled from."""
+
+    def __init__(self, eos):
+        self.logits: dict[int, list[mx.array]] = {}
+        self.eos = list(eos)
+
+    def processor(self, i: int):
+        def record(tokens, logits):
+            self.logits.setdefault(i, []).append(logits.astype(mx.float32))
+            logits[:, self.eos] = -1e9  # outputs run to full length
+            return logits
+
+        return record
+
+
+def stock_run(model, tok, prompts, max_tokens):
+    rec = Recorder(tok.eos_token_ids)
+    gen = BatchGenerator(model, completion_batch_size=16, prefill_batch_size=8)
+    uids = gen.insert_segments(
+        [[p] for p in prompts],
+        max_tokens=max_tokens,
+        logits_processors=[[rec.processor(i)] for i in range(len(prompts))],
+    )
+    out = {u: [] for u in uids}
+    done = 0
+    while done < len(prompts):
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+            done += r.finish_reason is not None
+    gen.close()
+    return [out[u] for u in uids], rec.logits
+
+
+def radix(model, tokens=4096):
+    return RadixPromptCache(KVPool.for_model(model, page_size=PS, pool_tokens=tokens))
+
+
+def warm(model, rpc, prefixes):
+    """Cache ``prefixes`` in the tree, as earlier requests would have."""
+    gen = RadixBatchGenerator(model, rpc, shared_prefix="off")
+    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prefixes]
+    gen.insert_segments(
+        [[rest] for _, rest in fetched],
+        max_tokens=[1] * len(prefixes),
+        caches=[c for c, _ in fetched],
+        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prefixes, fetched)],
+    )
+    del fetched
+    done = 0
+    while done < len(prefixes):
+        for r in gen.next()[1]:
+            if r.finish_reason:
+                done += 1
+                rpc.insert_cache(KEY, r.all_tokens, r.prompt_cache)
+    gen.close()
+
+
+def engine_run(model, tok, rpc, prompts, max_tokens, *, mode="on", late=(), join_after=3):
+    """The engine on ``prompts``; those in ``late`` are admitted ``join_after`` steps in.
+
+    Returns the tokens and logits per request and, per step, the path the batch took.
+    """
+    rec = Recorder(tok.eos_token_ids)
+    gen = RadixBatchGenerator(
+        model, rpc, shared_prefix=mode, completion_batch_size=16, prefill_batch_size=8
+    )
+
+    def admit(idx):
+        fetched = [rpc.fetch_nearest_cache(KEY, prompts[i]) for i in idx]
+        uids = gen.insert_segments(
+            [[rest] for _, rest in fetched],
+            max_tokens=[max_tokens[i] for i in idx],
+            caches=[c for c, _ in fetched],
+            all_tokens=[prompts[i][: len(prompts[i]) - len(r)] for i, (_, r) in zip(idx, fetched)],
+            logits_processors=[[rec.processor(i)] for i in idx],
+        )
+        return dict(zip(uids, idx))
+
+    who = admit([i for i in range(len(prompts)) if i not in late])
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    paths, steps, done = [], 0, 0
+    while done < len(prompts):
+        if steps == join_after and late:
+            who.update(admit(list(late)))
+        responses = gen.next()[1]
+        steps += bool(responses)
+        paths.append(gen.decode_stats["decode_path"])
+        for r in responses:
+            out[who[r.uid]].append(r.token)
+            if r.finish_reason is not None:
+                done += 1
+                rpc.insert_cache(KEY, r.all_tokens, r.prompt_cache)
+    gen.close()
+    return [out[i] for i in range(len(prompts))], rec.logits, paths
+
+
+def assert_close_to_stock(got, expected):
+    tokens, logits = got
+    stock_tokens, stock_logits = expected
+    assert tokens == stock_tokens
+    for i, steps in stock_logits.items():
+        assert len(logits[i]) == len(steps)
+        for step, (a, b) in enumerate(zip(logits[i], steps)):
+            worst = mx.abs(a - b).max().item()
+            assert worst <= FIDELITY_TOLERANCE * mx.abs(b).max().item(), (i, step, worst)
+
+
+def prefix_of(tok, n=40, text="You are a helpful assistant. Answer briefly. "):
+    return (tok.encode(text) * n)[:n]
+
+
+def question(tok, i):
+    return tok.encode(f" Question {i}: where is city {i}?")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_group_reads_its_prefix_once_and_answers_as_stock(loaded, arch):
+    model, tok = loaded(arch)
+    prefix = prefix_of(tok)
+    prompts = [prefix + question(tok, i) for i in range(4)]
+    expected = stock_run(model, tok, prompts, [10] * 4)
+    rpc = radix(model)
+    warm(model, rpc, [prefix])
+    tokens, logits, paths = engine_run(model, tok, rpc, prompts, [10] * 4)
+    assert_close_to_stock((tokens, logits), expected)
+    assert paths.count("shared") >= 8
+    stats = rpc.stats()
+    assert stats["pages_locked"] == 0 and stats["requests_holding_pages"] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_groups_joining_leaving_and_diverging_mid_page(loaded, arch):
+    """Two prefixes of two requests each, a request sharing nothing, one that diverges from
+    a prefix mid-page; two requests join mid-decode, and requests leave at different steps."""
+    model, tok = loaded(arch)
+    a, b = prefix_of(tok), prefix_of(tok, 36, "Summarise the text below in one line. ")
+    prompts = [
+        a + question(tok, 0),
+        b + question(tok, 1),
+        tok.encode("Once upon a time"),
+        a[:30] + question(tok, 3),  # leaves prefix a at token 30, mid-page
+        a + question(tok, 4),
+        b + question(tok, 5),
+    ]
+    max_tokens = [12, 6, 9, 12, 7, 12]
+    expected = stock_run(model, tok, prompts, max_tokens)
+    rpc = radix(model)
+    warm(model, rpc, [a, b])
+    got = engine_run(model, tok, rpc, prompts, max_tokens, late=(4, 5))
+    assert_close_to_stock(got[:2], expected)
+    assert "shared" in got[2]
+
+
+def test_the_shared_path_holds_no_batch_buffer_and_reads_each_prefix_once(loaded):
+    model, tok = loaded("llama")
+    prefix = prefix_of(tok)
+    prompts = [prefix + question(tok, i) for i in range(4)]
+    seen = []
+    for mode in ("off", "on"):
+        rpc = radix(model)
+        warm(model, rpc, [prefix])
+        gen = RadixBatchGenerator(model, rpc, shared_prefix=mode, completion_batch_size=8)
+        fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+        gen.insert_segments(
+            [[r] for _, r in fetched],
+            max_tokens=[8] * 4,
+            caches=[c for c, _ in fetched],
+            all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+        )
+        del fetched
+        while len(gen._generation_batch) < 4:
+            gen.next()
+        gen.next()
+        seen.append(dict(gen.decode_stats))
+        gen.close()
+    exact, shared = seen
+    assert exact["decode_path"] == "exact" and exact["batch_buffer_bytes"] > 0
+    assert shared["decode_path"] == "shared" and shared["batch_buffer_bytes"] == 0
+    assert shared["decode_rows"] == 4 and shared["decode_groups"] == 1
+    # The prefix and the pages of " Question" after it, shared in flight.
+    common = len(os.path.commonprefix(prompts))
+    assert shared["decode_shared_tokens"] == common // PS * PS > len(prefix)
+
+
+def test_pool_writes_stay_in_place_while_layers_read_the_pool(loaded):
+    """Every layer gathers from the pool and the step's writes come after the last read,
+    evaluated after the logits: MLX updates the pool's arrays in place. A write evaluated
+    with a read of the same array would copy the array (twice the memory of one)."""
+    model, tok = loaded("llama")
+    prefix = prefix_of(tok)
+    prompts = [prefix + question(tok, i) for i in range(4)]
+    rpc = radix(model, tokens=200_000)  # pool arrays of 25 MB, against a few MB of step
+    array_bytes = rpc.pool.keys[0].nbytes
+    warm(model, rpc, [prefix])
+    gen = RadixBatchGenerator(model, rpc, shared_prefix="on", completion_batch_size=8)
+    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+    gen.insert_segments(
+        [[r] for _, r in fetched],
+        max_tokens=[20] * 4,
+        caches=[c for c, _ in fetched],
+        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+    )
+    del fetched
+    while gen.decode_stats["decode_path"] != "shared":
+        gen.next()
+    mx.eval(rpc.pool.arrays)
+    base_bytes = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for _ in range(5):
+        gen.next()
+    mx.eval(rpc.pool.arrays)
+    assert gen.decode_stats["decode_path"] == "shared"
+    assert mx.get_peak_memory() - base_bytes < array_bytes // 2
+    gen.close()
+
+
+def test_off_is_bitwise_the_exact_path_with_or_without_the_patched_call_site(loaded, monkeypatch):
+    model, tok = loaded("qwen3")
+    prefix = prefix_of(tok)
+    prompts = [prefix + question(tok, i) for i in range(3)]
+    runs = []
+    for patched in (False, True):
+        attention.install(model)
+        if not patched:  # mlx-lm's own function at every call site
+            for name in attention.install(model):
+                monkeypatch.setattr(
+                    f"{name}.scaled_dot_product_attention", base.scaled_dot_product_attention
+                )
+        rpc = radix(model)
+        warm(model, rpc, [prefix])
+        runs.append(engine_run(model, tok, rpc, prompts, [8] * 3, mode="off"))
+        monkeypatch.undo()
+    (tokens_a, logits_a, paths_a), (tokens_b, logits_b, _) = runs
+    assert set(paths_a) <= {"exact", None}
+    assert tokens_a == tokens_b
+    for i in logits_a:
+        assert all(mx.array_equal(x, y).item() for x, y in zip(logits_a[i], logits_b[i]))
+
+
+def test_auto_goes_back_to_the_exact_path_when_the_group_leaves(loaded):
+    model, tok = loaded("llama")
+    prefix = prefix_of(tok)
+    prompts = [prefix + question(tok, 0), prefix + question(tok, 1), tok.encode("Once upon")]
+    max_tokens = [4, 4, 14]
+    expected = stock_run(model, tok, prompts, max_tokens)
+    rpc = radix(model)
+    warm(model, rpc, [prefix])
+    rule = SharedPrefixRule(min_saved_tokens=30, min_saved_fraction=0.2)
+    original = RadixBatchGenerator.__init__
+
+    def with_rule(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.decode_path.rule = rule
+
+    RadixBatchGenerator.__init__ = with_rule
+    try:
+        got = engine_run(model, tok, rpc, prompts, max_tokens, mode="auto")
+    finally:
+        RadixBatchGenerator.__init__ = original
+    assert_close_to_stock(got[:2], expected)
+    paths = [p for p in got[2] if p]
+    assert paths[1] == "shared" and paths[-1] == "exact"
+
+
+def test_a_pool_too_small_for_the_next_token_goes_back_to_the_exact_path(loaded, caplog):
+    caplog.set_level("WARNING", logger="mlx_radix")
+    model, tok = loaded("llama")
+    prefix = prefix_of(tok)
+    prompts = [prefix + question(tok, i) for i in range(3)]
+    expected = stock_run(model, tok, prompts, [16] * 3)
+    longest = max(map(len, prompts))
+    # Room for the prefix and the prompts' own pages, not for 16 more tokens each.
+    rpc = radix(model, tokens=(longest // PS + 3 * 3 + 2) * PS)
+    warm(model, rpc, [prefix])
+    tokens, logits, paths = engine_run(model, tok, rpc, prompts, [16] * 3)
+    assert_close_to_stock((tokens, logits), expected)
+    assert "shared" in paths and "exact" in paths
+    gc.collect()
+    assert rpc.stats()["pages_locked"] == 0
+
+
+def test_the_attention_of_a_shared_batch_needs_one_token_a_row(loaded):
+    model, _ = loaded("llama")
+    cache = SharedPrefixBatchCache.__new__(SharedPrefixBatchCache)
+    with pytest.raises(ValueError, match="one token a row, got 3"):
+        cache.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
+
+
+def test_models_that_attend_outside_the_call_site_keep_the_exact_path(loaded, caplog):
+    caplog.set_level("INFO", logger="mlx_radix")
+    model, _ = loaded("llama")
+    rpc = radix(model)
+    assert attention.attention_calls(model, rpc.pool) == len(model.layers)
+
+    class Direct:  # calls MLX's fused attention itself, as some architectures do
+        layers = model.layers
+
+        def __call__(self, inputs, cache):
+            for c in cache:
+                k = mx.zeros((1, 2, 1, 16))
+                c.update_and_fetch(k, k)
+            return mx.zeros((1, 1, 8))
+
+        def modules(self):
+            return []
+
+    assert attention.attention_calls(Direct(), rpc.pool) is None
+    gen = RadixBatchGenerator(Direct(), rpc, shared_prefix="on")
+    assert gen.decode_path.mode == "off"
+    assert "shared-prefix decode off" in caplog.text
+    gen.close()
