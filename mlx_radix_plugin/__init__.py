@@ -25,7 +25,6 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ContiguousKVCache": "cache.contiguous",
     "KVPool": "memory.pool",
     "LayerSpec": "memory.pool",
     "OffsetCache": "cache.offset",

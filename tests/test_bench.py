@@ -110,6 +110,26 @@ def test_smoke_preset_runs_both_servers_and_reports_every_field(tmp_path):
     memory = report["workloads"]["memory"]
     assert memory["kv_bytes_per_token"] == TINY_KV_BYTES_PER_TOKEN
     assert memory["kv_bytes_unshared"] > 0 and memory["kv_bytes_held_peak"] is not None
+    one_copy = sizes["memory"].one_copy_tokens * TINY_KV_BYTES_PER_TOKEN
+    assert memory["kv_bytes_one_copy"] == one_copy
+    assert a["memory_kv_held_over_one_copy"] == memory["kv_held_over_one_copy"] is not None
+
+    # decode_shared: the warm-up is neither reported nor computed again in the rounds; both
+    # servers had the prefix cached for every timed request.
+    ds, w = sizes["decode_shared"], report["workloads"]["decode_shared"]
+    assert w["radix"]["requests"] == w["stock"]["requests"] == ds.rounds * ds.requests
+    for server in ("stock", "radix"):
+        assert w[server]["cached_tokens"] >= ds.rounds * ds.requests * ds.prefix_tokens, server
+    assert w["radix"]["stats_prompt_tokens_computed"] <= ds.rounds * ds.requests * (
+        ds.question_tokens + 16
+    )
+    assert len(a["decode_shared_ratios_by_round"]) == ds.rounds
+    assert a["decode_shared_tokens_per_s_ratio"] > 0
+    assert all(a["decode_shared_tokens_per_s"][s] > 0 for s in ("stock", "radix"))
+    assert w["kv_bytes_one_copy"] == ds.one_copy_tokens * TINY_KV_BYTES_PER_TOKEN
+    assert w["kv_held_over_one_copy"] is not None
+    assert set(a["decode_shared_paths"]) <= {"shared", "exact"}
+    assert "decode_shared, 4 concurrent on one cached 64-token prefix" in result.output
 
     for name in WORKLOADS:
         assert f"\n{name} " in result.output

@@ -11,13 +11,21 @@ from mlx_radix_plugin.tools.bench.report import (
     acceptance,
     build_report,
     compare,
+    decode_tokens_per_s,
     percentile,
     summarize,
     table,
     write_charts,
     write_json,
 )
-from mlx_radix_plugin.tools.bench.workloads import Burst, Decode, Memory, Reply, Run
+from mlx_radix_plugin.tools.bench.workloads import (
+    Burst,
+    Decode,
+    DecodeShared,
+    Memory,
+    Reply,
+    Run,
+)
 
 META = {
     "schema": 1,
@@ -30,13 +38,13 @@ META = {
 }
 
 
-def reply(text="t5 t6", prompt=10, cached=0, completion=4, ttft=0.1):
+def reply(text="t5 t6", prompt=10, cached=0, completion=4, ttft=0.1, first=None, done=None):
     usage = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-    return Reply(text, usage, ttft)
+    return Reply(text, usage, ttft, first, done)
 
 
 def run(server, workload, wall, replies, **kw):
@@ -130,11 +138,80 @@ def test_repeated_workload_reports_each_round_and_the_median_ratio():
     w = compare(Decode(2, 8, 10, rounds=3), decode_runs([1.0, 2.0, 1.0], [1.0, 1.0, 2.0]))
     assert [r["tokens_per_s_ratio"] for r in w["by_round"]] == [1.0, 2.0, 0.5]
     assert w["tokens_per_s_ratio_median"] == 1.0
+    assert "decode_tokens_per_s_ratio" not in w["by_round"][0]  # decode only: wall time
     a = acceptance({"decode": w})
     assert a["decode_tokens_per_s_ratio"] == 1.0
     assert a["decode_ratios_by_round"] == [1.0, 2.0, 0.5]
     assert a["decode_tokens_per_s"] == {"stock": 20.0, "radix": 20.0}
     assert a["decode_cpu_s_per_token_ratio"] == 1.0 and a["decode_batch"] == 2
+    assert not any(k.startswith("decode_shared") for k in a)
+
+
+def test_decode_rate_counts_tokens_after_the_first_between_first_and_last_token():
+    replies = [
+        reply(completion=11, first=10.0, done=12.0),
+        reply(completion=21, first=10.5, done=14.0),
+        reply(completion=0, first=None, done=11.0),  # no text: nothing decoded to count
+    ]
+    # (10 + 20) tokens from 10.0 s to 14.0 s; each reply's first token is the prefill's.
+    assert decode_tokens_per_s(run("radix", "decode_shared", 9.0, replies)) == 7.5
+    # Without reply times (made-up runs), or over no time: no rate.
+    assert decode_tokens_per_s(run("radix", "decode", 1.0, [reply()])) is None
+    same = [reply(completion=1, first=3.0, done=3.0)]
+    assert decode_tokens_per_s(run("radix", "decode_shared", 1.0, same)) is None
+
+
+def decode_shared_runs(stock_spans, radix_spans, held=(None, None)):
+    """One run per span: 2 replies of 9 tokens from their first token at 1.0 s to 1.0 s +
+    span; the wall time adds 2 s of prefill before, which the decode rate leaves out."""
+
+    def runs(server, spans):
+        return [
+            run(
+                server,
+                "decode_shared",
+                2.0 + span,
+                [reply(completion=9, prompt=20, cached=16, first=1.0, done=1.0 + span)] * 2,
+                cpu_s=1.0,
+            )
+            for span in spans
+        ]
+
+    out = {"stock": runs("stock", stock_spans), "radix": runs("radix", radix_spans)}
+    for r, h, paths in zip(out["radix"], held, (["exact"], ["exact", "shared"])):
+        r.kv_bytes_held_peak, r.pool_bytes_per_token, r.decode_paths = h, 10.0, paths
+    return out
+
+
+def test_decode_shared_reports_decode_rate_by_round_and_kv_held_over_one_copy():
+    w = DecodeShared(2, 16, 4, 9, rounds=2)
+    d = compare(w, decode_shared_runs([2.0, 2.0], [1.0, 4.0], held=(400, 900)))
+    rounds = d["by_round"]
+    assert [r["stock_decode_tokens_per_s"] for r in rounds] == [8.0, 8.0]
+    assert [r["radix_decode_tokens_per_s"] for r in rounds] == [16.0, 4.0]
+    assert [r["decode_tokens_per_s_ratio"] for r in rounds] == [2.0, 0.5]
+    assert d["decode_tokens_per_s_ratio_median"] == 1.25
+    # Wall-time tokens/s counts the prefill too: 18 tokens in 3 s against 4 s.
+    assert rounds[0]["tokens_per_s_ratio"] == 1.333
+    # One copy: the 16-token prefix once, each request's 4 + 9 tokens; 10 bytes a token.
+    assert d["kv_bytes_one_copy"] == 10 * (16 + 2 * 13)
+    assert d["kv_bytes_held_peak"] == 900  # the larger round's
+    assert d["kv_held_over_one_copy"] == round(900 / 420, 3)
+    assert d["kv_bytes_unshared"] == 10 * 2 * (20 + 9)  # one round's requests, not both
+    assert d["decode_paths"] == ["exact", "shared"]
+    a = acceptance({"decode_shared": d})
+    assert (a["decode_shared_requests"], a["decode_shared_prefix_tokens"]) == (2, 16)
+    assert a["decode_shared_tokens_per_s_ratio"] == 1.25
+    assert a["decode_shared_ratios_by_round"] == [2.0, 0.5]
+    assert a["decode_shared_tokens_per_s"] == {"stock": 8.0, "radix": 10.0}
+    assert a["decode_shared_kv_held_over_one_copy"] == d["kv_held_over_one_copy"]
+    assert a["decode_shared_paths"] == ["exact", "shared"]
+
+
+def test_decode_shared_of_one_round_still_has_its_decode_rate():
+    d = compare(DecodeShared(2, 16, 4, 9, rounds=1), decode_shared_runs([2.0], [1.0]))
+    assert [r["decode_tokens_per_s_ratio"] for r in d["by_round"]] == [2.0]
+    assert d["kv_bytes_held_peak"] is None and d["kv_held_over_one_copy"] is None
 
 
 def test_burst_acceptance_prefers_the_plugins_counters():
@@ -144,14 +221,18 @@ def test_burst_acceptance_prefers_the_plugins_counters():
     assert (a["burst_requests"], a["burst_prefix_tokens"]) == (2, 100)
 
 
-def test_memory_workload_reports_kv_bytes_held_and_unshared():
+def test_memory_workload_reports_kv_bytes_held_over_one_copy_and_unshared():
     runs = burst_runs()
     runs["radix"][0].kv_bytes_held_peak = 3000
     runs["radix"][0].pool_bytes_per_token = 10.0
     w = compare(Memory(2, 100, 0, 4), runs)
     assert w["kv_bytes_held_peak"] == 3000
+    assert w["kv_bytes_one_copy"] == 10 * (100 + 2 * 4)
+    assert w["kv_held_over_one_copy"] == 2.778
     assert w["kv_bytes_unshared"] == 10 * (200 + 8)
     assert w["kv_bytes_per_token"] == 10.0
+    assert w["decode_paths"] == []  # the server reported none
+    assert acceptance({"memory": w})["memory_kv_held_over_one_copy"] == 2.778
 
 
 def full_report(**workloads):
@@ -182,6 +263,31 @@ def test_table_has_a_row_per_server_and_a_ratio_row_per_workload():
     assert "prompt tokens computed stock 200, radix 120" in text
     assert "peak memory (VmHWM): stock 300 MiB, radix 210 MiB" in text
     assert text.endswith("greedy outputs identical: NO")
+
+
+def test_table_notes_decode_shared_and_the_kv_held():
+    shared = decode_shared_runs([2.0, 2.0], [1.0, 4.0], held=(2**20, 3 * 2**20))
+    for r in shared["radix"]:
+        r.pool_bytes_per_token = 2.0**14
+    memory = burst_runs()
+    memory["radix"][0].kv_bytes_held_peak = 2**21
+    memory["radix"][0].pool_bytes_per_token = 2.0**14
+    text = table(
+        full_report(
+            decode_shared=compare(DecodeShared(2, 16, 4, 9, rounds=2), shared),
+            memory=compare(Memory(2, 100, 0, 4), memory),
+        )
+    )
+    assert (
+        "decode_shared, 2 concurrent on one cached 16-token prefix: decode tokens/s "
+        "radix/stock median 1.25x (rounds: 2.00x 0.50x); radix held 3.00 MiB of K/V at "
+        "peak, 4.57x one copy; decode path: exact, shared"
+    ) in text
+    # 3 MiB against 16 + 2 x 13 tokens of 16 KiB; 2 MiB against 100 + 2 x 4.
+    assert (
+        "memory, 2 live on a 100-token prefix: radix held 2.00 MiB of K/V at peak, 1.19x one "
+        "copy; the same tokens stored per request: 3.25 MiB"
+    ) in text
 
 
 def test_json_round_trip_renders_the_same_table(tmp_path):

@@ -17,6 +17,7 @@ from mlx_radix_plugin.tools.bench.workloads import (
     PRESETS,
     Burst,
     Decode,
+    DecodeShared,
     Memory,
     MultiTurn,
     PrefixRepetition,
@@ -67,17 +68,24 @@ def test_eos_ban_reads_config(tmp_path, word_model):
         eos_logit_bias(tmp_path)
 
 
-def collect(workload, seed="s", reply=lambda key, body: "t9 t9"):
-    """What ``workload``'s clients send, one client after another, keyed."""
+def plan(workload, seed="s", reply=lambda key, body: "t9 t9"):
+    """``workload``'s warm-up requests, and what its clients send (one client after another,
+    keyed), drawn in run_workload's order."""
+    p, s = Prompts(seed, WORDS), Sampling({"0": -100.0})
+    warmup = workload.warmup(p, s)
     sent = {}
 
     def send(key, path, body):
         sent[key] = (path, body)
         return reply(key, body)
 
-    for client in workload.build(Prompts(seed, WORDS), Sampling({"0": -100.0})):
+    for client in workload.build(p, s):
         client(send)
-    return sent
+    return warmup, sent
+
+
+def collect(workload, seed="s", reply=lambda key, body: "t9 t9"):
+    return plan(workload, seed, reply)[1]
 
 
 def words_of(body):
@@ -138,17 +146,43 @@ def test_multi_turn_sends_history_with_the_servers_replies():
 
 
 def test_decode_prompts_are_short_and_distinct():
-    sent = collect(Decode(4, 6, 50, rounds=3))
+    warmup, sent = plan(Decode(4, 6, 50, rounds=3))
+    assert warmup == []
     assert {len(words_of(b)) for _, b in sent.values()} == {6}
     assert len({tuple(words_of(b)) for _, b in sent.values()}) == 4
     assert Decode(4, 6, 50, rounds=3).repeats == 3 and Burst(1, 1, 1, 1).repeats == 1
 
 
-class FakeServer:
-    """Streams ``text`` per request; /v1/cache/stats counters move by 10 per request."""
+def test_decode_shared_warms_up_the_prefix_its_requests_share():
+    w = DecodeShared(4, 12, 3, 20, rounds=2)
+    warmup, sent = plan(w)
+    assert len(warmup) == 1
+    path, warm = warmup[0]
+    assert path == "/v1/completions" and len(words_of(warm)) == 15
+    assert warm["max_tokens"] == 2 and warm["logit_bias"] == {"0": -100.0}
+    assert set(sent) == {0, 1, 2, 3}
+    prompts = [words_of(body) for _, body in sent.values()]
+    assert {len(p) for p in prompts} == {15}
+    assert {body["max_tokens"] for _, body in sent.values()} == {20}
+    # The warm-up caches exactly the prefix the timed requests share...
+    assert {tuple(p[:12]) for p in prompts} == {tuple(words_of(warm)[:12])}
+    # ...with a question of its own, as each timed request has.
+    assert len({tuple(p[12:]) for p in [*prompts, words_of(warm)]}) == 5
+    assert plan(w) == plan(w) and plan(w) != plan(w, seed="other")
+    assert (w.repeats, w.total_requests) == (2, 4)
+    assert w.one_copy_tokens == 12 + 4 * (3 + 20) and w.warmup_tokens == 12 + 3 + 2
+    assert Memory(4, 12, 3, 20).one_copy_tokens == w.one_copy_tokens
+    assert Decode(4, 6, 50, rounds=3).one_copy_tokens is None
 
-    def __init__(self, plugin=True, fail_on=None):
+
+class FakeServer:
+    """Streams each prompt's first word; /v1/cache/stats counters move by 10 per request.
+    With ``hold_s``, each request takes that long, and while it runs holds 2 pool pages
+    and, with ``buffers``, 1000 bytes of batch buffer."""
+
+    def __init__(self, plugin=True, fail_on=None, hold_s=0.0, buffers=True):
         self.plugin, self.fail_on, self.requests = plugin, fail_on, 0
+        self.hold_s, self.buffers, self.live, self.sent = hold_s, buffers, 0, []
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
         )
@@ -161,8 +195,14 @@ class FakeServer:
     def stream(self, path, body, on_first=None):
         if self.fail_on and self.fail_on in body["prompt"]:
             raise RuntimeError("POST /v1/completions: 500 boom")
-        on_first()
+        if on_first:
+            on_first()
         with self.lock:
+            self.sent.append(body)
+            self.live += 1
+        threading.Event().wait(self.hold_s)
+        with self.lock:
+            self.live -= 1
             self.requests += 1
         n = len(body["prompt"].split())
         usage = {
@@ -181,15 +221,20 @@ class FakeServer:
     def stats(self):
         if not self.plugin:
             return None
-        k = self.requests
-        return {
+        with self.lock:
+            k, live = self.requests, self.live
+        stats = {
             "prompt_tokens": 10 * k,
             "cached_tokens": 4 * k,
             "pages_total": 8,
             "page_size": 4,
             "pool_bytes_total": 3200,
-            "pages_locked": 0,
+            "pages_locked": 1 + 2 * live,  # one page locked by something else throughout
+            "decode_path": "exact" if live else None,
         }
+        if self.buffers:
+            stats["batch_buffer_bytes"] = 1000 * live
+        return stats
 
     def peak_rss(self):
         return PeakRSS(self.proc.pid)
@@ -213,6 +258,51 @@ def test_run_workload_keys_replies_and_counts_the_servers_work():
     assert (r.stats_prompt_tokens, r.stats_cached_tokens) == (60, 24)
     assert r.cpu_s == 6.0 and r.pool_bytes_per_token == 100.0
     assert r.peak_rss_bytes > 0
+
+
+def test_decode_shared_warm_up_is_sent_first_and_left_out_of_the_results():
+    server = FakeServer(hold_s=0.3)
+    w = DecodeShared(4, 6, 2, 3, rounds=2)
+    ticks = []
+    try:
+        r = run_workload(
+            server, "radix", w, Prompts("s", WORDS), Sampling(), lambda: ticks.append(1)
+        )
+    finally:
+        server.close()
+    warmup, sent = plan(w)
+    assert server.sent[0]["prompt"] == warmup[0][1]["prompt"] and len(server.sent) == 5
+    assert set(r.replies) == set(sent) == {0, 1, 2, 3} and len(ticks) == 4
+    # The stats deltas start after the warm-up: 4 requests of 10 prompt tokens.
+    assert (r.stats_prompt_tokens, r.stats_cached_tokens) == (40, 16)
+    for rep in r.replies.values():
+        # The fake's first text comes at once, its end 0.3 s later.
+        assert 0 <= rep.ttft_s < 0.3 <= rep.done_at - rep.first_token_at
+    # 4 live requests at once: 8 pages of 400 bytes (the other page is not theirs) and
+    # 4000 bytes of batch buffers.
+    assert r.kv_bytes_held_peak == 8 * 400 + 4000
+    assert r.decode_paths == ["exact"]
+
+
+def test_pool_poller_adds_locked_pages_and_batch_buffers_sampled_together():
+    before = {"pool_bytes_total": 3200, "pages_total": 8, "pages_locked": 2}
+    poller = bench_workloads._PoolPoller(None, before)
+    poller.sample({"pages_locked": 5, "batch_buffer_bytes": 100, "decode_path": "exact"})
+    assert poller.peak == 3 * 400 + 100
+    # More pages but no buffer (a server without batch_buffer_bytes): counted as 0 buffer.
+    poller.sample({"pages_locked": 6, "decode_path": None})
+    assert poller.peak == 4 * 400
+    # A large buffer while pages fell below the baseline: the buffer alone.
+    poller.sample({"pages_locked": 1, "batch_buffer_bytes": 1700, "decode_path": "shared"})
+    assert poller.peak == 1700
+    poller.sample({"pages_locked": 2, "batch_buffer_bytes": 0, "decode_path": "exact"})
+    assert poller.peak == 1700 and poller.paths == ["exact", "shared"]
+    # None of those was a moment of decode alone; these are, unless a prefill holds copies.
+    assert poller.decode_peak is None
+    decoding = {"decode_rows": 4, "decode_buffer_bytes": 300, "decode_path": "exact"}
+    poller.sample({**decoding, "pages_locked": 4, "prefill_buffer_bytes": 0})
+    poller.sample({**decoding, "pages_locked": 9, "prefill_buffer_bytes": 50})
+    assert poller.decode_peak == 2 * 400 + 300
 
 
 def test_stock_has_no_stats_and_a_failing_request_stops_the_workload():
@@ -279,5 +369,13 @@ def test_peak_rss_samples_ps_elsewhere(monkeypatch):
 def test_presets_grow_and_name_every_workload():
     names = [[w.name for w in p.workloads] for p in PRESETS.values()]
     assert names[0] == list(bench_workloads.WORKLOADS) and all(n == names[0] for n in names)
+    assert "decode_shared" in names[0] and len(set(names[0])) == len(names[0])
     total = {k: sum(w.total_requests for w in p.workloads) for k, p in PRESETS.items()}
     assert total["smoke"] < total["small"] < total["medium"]
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_pool_has_room_for_every_decode_shared_request_and_the_warm_up(preset):
+    (w,) = [w for w in PRESETS[preset].workloads if isinstance(w, DecodeShared)]
+    own_copies = w.requests * (w.prefix_tokens + w.question_tokens + w.output_tokens)
+    assert PRESETS[preset].pool_tokens >= own_copies + w.warmup_tokens

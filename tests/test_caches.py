@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
-from mlx_radix_plugin import ContiguousKVCache, KVPool, LayerSpec, OffsetCache, PageTable
+from mlx_radix_plugin import KVPool, LayerSpec, OffsetCache, PageTable
 from mlx_radix_plugin.cache.pool_backed import PoolBackedCache
 
 H, D, PS, WINDOW = 2, 8, 4, 6
@@ -51,46 +51,6 @@ def step_against(ours, stock, n, seed):
     for a, b in zip(ours.update_and_fetch(k, v), stock.update_and_fetch(k, v)):
         assert same(a, b)
     assert ours.offset == stock.offset == ours.size()
-
-
-# -- ContiguousKVCache ---------------------------------------------------------------
-
-
-def test_contiguous_matches_kvcache_and_grows_by_doubling():
-    ours, stock = ContiguousKVCache(capacity=4), KVCache()
-    sizes = []
-    for i, n in enumerate(STEPS):
-        step_against(ours, stock, n, i)
-        sizes.append(ours.keys.shape[2])
-    assert sizes == [8, 8, 8, 16, 16]
-    assert ours.nbytes == 2 * 16 * H * D * 4
-
-
-def test_contiguous_trim_state_round_trip_and_merge():
-    c = ContiguousKVCache()
-    assert c.empty() and c.nbytes == 0 and c.state == []
-    c.update_and_fetch(*kv(9, 0))
-    assert c.is_trimmable() and c.trim(4) == 4 and c.offset == 5
-    assert c.trim(100) == 5 and c.offset == 0
-    c.update_and_fetch(*kv(9, 1))
-    copy = ContiguousKVCache.from_state(c.state)
-    assert copy.offset == 9
-    k, v = kv(1, 2)
-    for a, b in zip(c.update_and_fetch(k, v), copy.update_and_fetch(k, v)):
-        assert same(a, b)
-    other = ContiguousKVCache()
-    other.update_and_fetch(*kv(3, 3))
-    stock = [KVCache(), KVCache()]
-    stock[0].update_and_fetch(*c.state)
-    stock[1].update_and_fetch(*other.state)
-    merged, expected = ContiguousKVCache.merge([c, other]), BatchKVCache.merge(stock)
-    assert isinstance(merged, BatchKVCache)
-    assert same(merged.keys, expected.keys) and same(merged.left_padding, expected.left_padding)
-
-
-def test_contiguous_rejects_zero_capacity():
-    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
-        ContiguousKVCache(capacity=0)
 
 
 # -- PoolBackedCache -----------------------------------------------------------------
@@ -169,10 +129,11 @@ def test_pool_backed_state_to_mlx_cache_and_merge():
     k, v = kv(11, 0)
     full.update_and_fetch(k, v)
     windowed.update_and_fetch(k, v)
-    detached = ContiguousKVCache.from_state(full.state)
-    assert detached.offset == 11 and same(detached.keys, k)
+    detached = KVCache()
+    detached.update_and_fetch(*full.state)
+    assert detached.offset == 11 and same(detached.keys[..., :11, :], k)
     assert same(windowed.state[0], k[..., -WINDOW:, :])
-    with pytest.raises(TypeError, match="ContiguousKVCache"):
+    with pytest.raises(TypeError, match="into mlx-lm's KVCache instead"):
         PoolBackedCache.from_state(full.state)
     stock = windowed.to_mlx_cache()
     assert isinstance(stock, RotatingKVCache) and stock.offset == 11

@@ -24,6 +24,13 @@ def test_decode_step_bytes_counts_every_weight_read_and_the_kv(tmp_path, tied):
     assert step["kv"] == 2 * 2 * 2 * 16 * 4 * 100
 
 
+def test_bad_decode_shared_grid_is_named(capsys):
+    assert gpu_bench.parse_args(["--decode-shared", ""]).decode_shared == []
+    with pytest.raises(SystemExit):
+        gpu_bench.parse_args(["--decode-shared", "32x"])
+    assert "'32x': expected ROWSxPREFIX" in capsys.readouterr().err
+
+
 def test_bad_concurrency_is_named(capsys):
     with pytest.raises(SystemExit) as e:
         gpu_bench.parse_args(["--concurrency", "1,0"])
@@ -44,6 +51,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
         "--max-tokens", "6", "--rounds", "1", "--cached-prefix", "64", "--cached-requests", "2",
         "--question", "16", "--burst", "3", "--burst-prefix", "48",
         "--bandwidth-mib", "8", "--pool-tokens", "4096", "--json", str(out),
+        "--decode-shared", "3x64", "--shared-max-tokens", "6", "--shared-prefix", "on",
     ]  # fmt: skip
     assert gpu_bench.main(argv) == 0
     report = json.loads(out.read_text())
@@ -57,6 +65,12 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
         assert d["stock"]["tokens_per_s"] > 0 and d["radix"]["ms_per_token"] > 0
     # One request alone decodes the same tokens on both servers.
     assert shape["decode"]["1"]["greedy_match"] == 1
+
+    shared = shape["decode_shared"]["3x64"]
+    assert shared["requests"] == 3 and shared["greedy_match"] == 3
+    assert shared["stock"]["decode_tokens_per_s"] > 0 and shared["ratio"] > 0
+    assert shared["radix"]["decode_paths"] == ["shared"]
+    assert shared["radix"]["decode_groups_max"] == 1 and shared["radix"]["kv_bytes_held_peak"] > 0
 
     cached = shape["cached_prefix"]
     assert cached["radix"]["cached_tokens_mean"] >= 64
@@ -73,3 +87,4 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     table = capsys.readouterr().out
     assert "| tiny | decode, 2 concurrent: tokens/s (ms/token) |" in table
     assert "| tiny | burst of 3 on a new 48-token prefix: prompt tokens computed |" in table
+    assert "| tiny | decode, 3 requests on a cached 64-token prefix, 6 out: tokens/s |" in table

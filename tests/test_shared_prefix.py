@@ -22,8 +22,9 @@ from mlx_radix_plugin import KVPool, RadixPromptCache
 from mlx_radix_plugin.cache.shared_batch import SharedPrefixBatchCache
 from mlx_radix_plugin.engine import attention
 from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
-from mlx_radix_plugin.engine.decode_path import SharedPrefixRule
+from mlx_radix_plugin.engine.decode_path import RULES, SharedPrefixRule
 from mlx_radix_plugin.engine.generator import RadixBatchGenerator
+from mlx_radix_plugin.memory.prefix_groups import PrefixGroup
 
 PS = 4
 
@@ -340,3 +341,34 @@ def test_models_that_attend_outside_the_call_site_keep_the_exact_path(loaded, ca
     assert gen.decode_path.mode == "off"
     assert "shared-prefix decode off" in caplog.text
     gen.close()
+
+
+@pytest.mark.parametrize(
+    "backend, rows, prefix, shared",
+    [
+        # The CPU calibration points around the threshold (decode_path.py has the numbers).
+        ("cpu", 8, 512, False),
+        ("cpu", 4, 1024, False),
+        ("cpu", 4, 2048, True),
+        ("cpu", 8, 2048, True),
+        # H200: the shared path's fixed cost needs 32 x 4,096-class savings there.
+        ("gpu", 8, 1024, False),
+        ("gpu", 32, 2048, False),
+        ("gpu", 32, 4096, True),
+    ],
+)
+def test_auto_takes_the_shared_path_where_it_was_measured_faster(backend, rows, prefix, shared):
+    group = PrefixGroup(tuple(range(rows)), tuple(range(prefix // 16)))
+    lengths = [prefix + 32 + 16] * rows  # own question and half the measured steps
+    assert RULES[backend].takes_shared([group], lengths, 16) is shared
+
+
+def test_auto_counts_every_group_and_the_longest_own_part():
+    rule = SharedPrefixRule(min_saved_tokens=100, min_saved_fraction=0.4)
+    groups = [PrefixGroup((0, 2), tuple(range(16))), PrefixGroup((1, 3), tuple(range(16, 32)))]
+    groups.append(PrefixGroup((4,), ()))
+    # Two groups of two on 64-token prefixes, 16 own tokens each, and a lone row of 10:
+    # stock reads 5 x 80 = 400 tokens a layer, the shared path 2 x 64 + 5 x 16 = 208.
+    assert rule.takes_shared(groups, [80, 80, 80, 80, 10], 4)
+    # A lone row of 40 own tokens pads every row's own part to 40: 2 x 64 + 5 x 40 = 328.
+    assert not rule.takes_shared(groups, [80, 80, 80, 80, 40], 4)

@@ -95,7 +95,7 @@ class PoolBackedCache(OffsetTrim):
     def state(self, v):
         raise TypeError(
             "a PoolBackedCache is a view of pool pages and cannot be rebuilt from state; "
-            "load the state into a ContiguousKVCache instead"
+            "load the state into mlx-lm's KVCache instead"
         )
 
     def to_mlx_cache(self) -> KVCache | RotatingKVCache:

@@ -21,7 +21,6 @@ from mlx_lm.models.cache import KVCache
 from ..memory.allocator import OutOfPages
 from ..memory.pool import KVPool
 from ..memory.radix_tree import RadixTree, TreeNode
-from .contiguous import ContiguousKVCache
 from .page_table import PageTable
 from .pool_backed import PoolBackedCache
 
@@ -307,7 +306,7 @@ class RadixPromptCache:
         return (
             len(prompt_cache) == self.pool.num_layers
             and all(s.window is None for s in self.pool.specs)
-            and all(type(c) in (KVCache, ContiguousKVCache) for c in prompt_cache)
+            and all(type(c) is KVCache for c in prompt_cache)
             and all(c.keys is not None and c.keys.shape[0] == 1 for c in prompt_cache)
         )
 

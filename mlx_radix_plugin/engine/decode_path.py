@@ -47,10 +47,19 @@ class SharedPrefixRule:
         return saved >= self.min_saved_tokens and saved >= self.min_saved_fraction * stock
 
 
-# Measured per backend; see the module docstring of engine/attention.py for the numbers.
+# Measured with tools/decode_calibration.py (in process, median ms of a decode step, rows
+# sharing one cached prefix plus 32 own tokens each; stock mlx-lm's BatchGenerator against
+# the shared path), 2026-11-30:
+# - CPU (2 cores, OpenBLAS; SmolLM2-135M float32), shared/stock speed: 2x512 0.94, 4x512
+#   0.99, 8x256 0.90, 8x512 1.00, 4x1024 0.95 (all saving < 4k token reads a layer);
+#   4x2048 1.39 (6.1k), 16x1024 1.43 (15k), 8x2048 1.95 (14k).
+# - H200 (Llama-3-8B shape, bf16): 8x1024 0.46 (7k saved), 32x2048 0.90 (64k), 32x4096
+#   1.64 (128k); Llama-3.2-1B: 8x1024 0.47, 32x2048 0.7. On the GPU the shared path's ~30
+#   MLX operations a layer cost ~17 ms a step on 8B (~8 ms on 1B) whatever the sizes: only
+#   very large savings cover that until they are fused.
 RULES = {
-    "cpu": SharedPrefixRule(min_saved_tokens=8192, min_saved_fraction=0.5),
-    "gpu": SharedPrefixRule(min_saved_tokens=16384, min_saved_fraction=0.5),
+    "cpu": SharedPrefixRule(min_saved_tokens=5120, min_saved_fraction=0.5),
+    "gpu": SharedPrefixRule(min_saved_tokens=98304, min_saved_fraction=0.5),
 }
 
 
@@ -63,6 +72,8 @@ def idle_stats(mode: str) -> dict:
         "decode_groups": 0,
         "decode_shared_tokens": 0,
         "batch_buffer_bytes": 0,
+        "decode_buffer_bytes": 0,
+        "prefill_buffer_bytes": 0,
     }
 
 
@@ -123,14 +134,19 @@ class DecodePath:
         shared = isinstance(rows, BatchRows) and isinstance(caches[0], SharedPrefixBatchCache)
         groups = rows.shared.groups if shared and rows.shared is not None else []
         ps = rows.pool.page_size if isinstance(rows, BatchRows) else 0
+        decode_bytes = sum(c.nbytes for c in caches)
+        prefill_bytes = sum(c.nbytes for c in prompt.prompt_cache)
         return {
             "decode_shared_prefix": self.mode,
             "decode_path": None if not caches else "shared" if shared else "exact",
             "decode_rows": len(generation),
             "decode_groups": sum(len(g.rows) > 1 for g in groups),
             "decode_shared_tokens": sum(g.tokens(ps) for g in groups if len(g.rows) > 1),
-            "batch_buffer_bytes": sum(c.nbytes for c in caches)
-            + sum(c.nbytes for c in prompt.prompt_cache),
+            "batch_buffer_bytes": decode_bytes + prefill_bytes,
+            # Split: the decode batch holds its buffer while requests decode; a prompt batch
+            # holds a copy of each cached prefix while it prefills.
+            "decode_buffer_bytes": decode_bytes,
+            "prefill_buffer_bytes": prefill_bytes,
         }
 
     @staticmethod

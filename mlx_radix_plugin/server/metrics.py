@@ -50,6 +50,16 @@ METRICS = {
         "gauge",
         "K/V bytes the running batches hold outside the pool (copies of cached prefixes).",
     ),
+    "decode_buffer_bytes": (
+        "mlx_radix_decode_buffer_bytes",
+        "gauge",
+        "K/V bytes the decode batch holds outside the pool.",
+    ),
+    "prefill_buffer_bytes": (
+        "mlx_radix_prefill_buffer_bytes",
+        "gauge",
+        "K/V bytes the batch being prefilled holds outside the pool.",
+    ),
 }
 
 

@@ -221,6 +221,95 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
     return out
 
 
+class _StatsPoller(threading.Thread):
+    """Reads the plugin's /v1/cache/stats every 50 ms while a round runs: the largest K/V
+    it held (pool pages live requests lock, plus batch buffers) and the decode paths seen."""
+
+    def __init__(self, server: ServerProcess):
+        super().__init__(daemon=True)
+        self.server = server
+        self.kv_bytes_peak = 0
+        self.paths: set[str] = set()
+        self.groups = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.05):
+            s = self.server.stats()
+            if not s:
+                return
+            page = s["pool_bytes_total"] // max(1, s["pages_total"])
+            held = s["pages_locked"] * page + s.get("batch_buffer_bytes", 0)
+            self.kv_bytes_peak = max(self.kv_bytes_peak, held)
+            if s.get("decode_path"):
+                self.paths.add(s["decode_path"])
+            self.groups = max(self.groups, s.get("decode_groups", 0))
+
+    def stop(self) -> dict:
+        self._stop_event.set()
+        self.join()
+        return {
+            "kv_bytes_held_peak": self.kv_bytes_peak,
+            "decode_paths": sorted(self.paths),
+            "decode_groups_max": self.groups,
+        }
+
+
+def measure_decode_shared(servers: dict, args, rows: int, prefix: int, rng_seed: int) -> dict:
+    """``rows`` concurrent requests on one cached ``prefix``-token prefix, each with its own
+    question, ``args.shared_max_tokens`` out: decode tokens/s, from the first token of the
+    round to its last (admission is not counted), ``args.rounds`` rounds, turns alternating.
+    A server that fails (stock runs out of GPU memory at 32 x 4,096 on 141 GB) is reported
+    as failed; the other's numbers stand."""
+    rates: dict[str, list[float]] = {name: [] for name in servers}
+    texts: dict[str, list[str]] = {name: [] for name in servers}
+    extra: dict[str, dict] = {name: {} for name in servers}
+    failed: dict[str, str] = {}
+    for round_ in range(args.rounds):
+        order = list(servers) if round_ % 2 == 0 else list(servers)[::-1]
+        for name in order:
+            if name in failed:
+                continue
+            rng = Requests(rng_seed, args.vocab)
+            shared = [rng.randrange(2, rng.vocab) for _ in range(prefix)]
+            warm = _prompt(rng, args.question, shared)
+            prompts = [_prompt(rng, args.question, shared) for _ in range(rows)]
+            try:
+                stream_all(servers[name], [warm], 2)  # the prefix is cached before the round
+                poller = _StatsPoller(servers[name]) if name == "radix" else None
+                if poller:
+                    poller.start()
+                start = time.perf_counter()
+                _, results = stream_all(servers[name], prompts, args.shared_max_tokens)
+                if poller:
+                    extra[name] = poller.stop()
+            except Exception as e:  # noqa: BLE001 - the server's failure is the result
+                failed[name] = f"{type(e).__name__}: {e}"[:300]
+                continue
+            first = min(start + r["ttft"] for r in results)
+            last = max(start + r["ttft"] + r["seconds"] for r in results)
+            generated = sum(r["usage"]["completion_tokens"] - 1 for r in results)
+            rates[name].append(generated / (last - first))
+            texts[name] += [r["text"] for r in results]
+    out: dict = {"rows": rows, "prefix": prefix, "max_tokens": args.shared_max_tokens}
+    for name in servers:
+        out[name] = {
+            "decode_tokens_per_s": round(statistics.median(rates[name]), 1)
+            if rates[name]
+            else None,
+            "by_round": [round(r, 1) for r in rates[name]],
+            **extra[name],
+        }
+        if name in failed:
+            out[name]["failed"] = failed[name]
+    if rates["stock"] and rates["radix"]:
+        ratios = [r / s for r, s in zip(rates["radix"], rates["stock"])]
+        out["ratio"] = round(statistics.median(ratios), 3)
+        out["greedy_match"] = sum(a == b for a, b in zip(texts["stock"], texts["radix"]))
+        out["requests"] = len(texts["radix"])
+    return out
+
+
 def measure_cached_prefix(servers: dict, args, rng_seed: int) -> dict:
     """TTFT of requests, one after another, on a shared prefix an earlier request cached."""
     out = {}
@@ -261,14 +350,20 @@ def measure_burst(servers: dict, args, rng_seed: int) -> dict:
 
 
 @contextlib.contextmanager
-def side_by_side(model_dir: Path, work: Path, pool_tokens: int):
+def side_by_side(model_dir: Path, work: Path, pool_tokens: int, shared_prefix: str = "auto"):
     """Both servers up on ``model_dir``, each warmed up; yields {name: ServerProcess}."""
     (work / "hf").mkdir(exist_ok=True)
     commands = {
         "stock": [sys.executable, "-m", "mlx_lm", "server"],
         "radix": [sys.executable, "-m", "mlx_radix_plugin.tools.gpu_bench", "serve-radix"],
     }
-    envs = {"stock": {}, "radix": {"MLX_RADIX_POOL_TOKENS": str(pool_tokens)}}
+    envs = {
+        "stock": {},
+        "radix": {
+            "MLX_RADIX_POOL_TOKENS": str(pool_tokens),
+            "MLX_RADIX_DECODE_SHARED_PREFIX": shared_prefix,
+        },
+    }
     with contextlib.ExitStack() as stack:
         servers = {}
         for name in SERVERS:
@@ -300,12 +395,18 @@ def bench_shape(shape: str, args, work: Path) -> dict:
         in_process_ms_per_token(model_dir, args.decode_prompt, args.max_tokens), 3
     )
     progress(f"{shape}: built in {report['build_s']} s; starting both servers")
-    with side_by_side(model_dir, work, args.pool_tokens) as servers:
+    with side_by_side(model_dir, work, args.pool_tokens, args.shared_prefix) as servers:
         try:
             report["decode"] = {}
             for b in args.concurrency:
                 progress(f"{shape}: decode at {b} concurrent")
                 report["decode"][str(b)] = measure_decode(servers, args, b, args.seed + 100 * b)
+            report["decode_shared"] = {}
+            for rows, prefix in args.decode_shared:
+                progress(f"{shape}: decode of {rows} requests on a cached {prefix}-token prefix")
+                report["decode_shared"][f"{rows}x{prefix}"] = measure_decode_shared(
+                    servers, args, rows, prefix, args.seed + 13 + rows + prefix
+                )
             progress(f"{shape}: TTFT on a cached prefix")
             report["cached_prefix"] = measure_cached_prefix(servers, args, args.seed + 7)
             progress(f"{shape}: burst")
@@ -355,6 +456,16 @@ def markdown(report: dict) -> str:
             )
             workload = f"decode, {b} concurrent: tokens/s (ms/token)"
             row(name, workload, stock, radix, f"{d['ratio']:.2f}x")
+        for d in s.get("decode_shared", {}).values():
+            stock, radix = (
+                d[k]["failed"][:40] if "failed" in d[k] else f"{d[k]['decode_tokens_per_s']:.0f}"
+                for k in SERVERS
+            )
+            workload = (
+                f"decode, {d['rows']} requests on a cached {d['prefix']}-token prefix, "
+                f"{d['max_tokens']} out: tokens/s"
+            )
+            row(name, workload, stock, radix, f"{d['ratio']:.2f}x" if "ratio" in d else "")
         if "cached_prefix" in s:
             c = s["cached_prefix"]
             stock, radix = (
@@ -395,6 +506,18 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
+def _grid(text: str) -> list[tuple[int, int]]:
+    if not text:
+        return []
+    try:
+        points = [tuple(int(v) for v in p.split("x")) for p in text.split(",")]
+    except ValueError:
+        points = []
+    if not points or any(len(p) != 2 or min(p) < 1 for p in points):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWSxPREFIX,... e.g. 32x2048,8x1024")
+    return points
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -408,6 +531,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="decode: tokens per request")
     p.add_argument("--decode-prompt", type=int, default=32, help="decode: prompt tokens")
     p.add_argument("--rounds", type=int, default=2, help="decode: rounds per server")
+    p.add_argument(
+        "--decode-shared",
+        type=_grid,
+        default=_grid("32x2048,32x4096,8x1024"),
+        help="decode on a cached shared prefix: ROWSxPREFIX,... (empty: none)",
+    )
+    p.add_argument("--shared-max-tokens", type=int, default=256, help="decode-shared: tokens out")
+    p.add_argument(
+        "--shared-prefix",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="the plugin's decode.shared_prefix",
+    )
     p.add_argument("--cached-prefix", type=int, default=4096, help="TTFT: shared prefix tokens")
     p.add_argument("--cached-requests", type=int, default=8, help="TTFT: requests timed")
     p.add_argument("--question", type=int, default=32, help="tokens after a shared prefix")

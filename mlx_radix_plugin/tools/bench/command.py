@@ -262,9 +262,10 @@ def _model_choice(model: str | None, random_shape: str | None, dtype: str, tmp: 
 @click.command(
     "bench",
     help="Benchmark stock mlx_lm.server against mlx_lm.server --plugin radix on the same "
-    "model: shared prefix, burst, prefix repetition, multi-turn chat, decode and memory "
-    "workloads, side by side. Prints a table, writes a JSON report and (with matplotlib) "
-    "PNG charts. With neither --model nor --random it uses the default model.",
+    "model: shared prefix, burst, prefix repetition, multi-turn chat, decode, decode on a "
+    "shared prefix and memory workloads, side by side. Prints a table, writes a JSON report "
+    "and (with matplotlib) PNG charts. With neither --model nor --random it uses the default "
+    "model.",
 )
 @click.option(
     "--preset",

@@ -51,6 +51,27 @@ def _sum_or_none(values: list) -> float | None:
     return None if any(v is None for v in values) else sum(values)
 
 
+def _median(values: list[float | None], digits: int = 3) -> float | None:
+    """Median of the values that are there; None when none is."""
+    present = [v for v in values if v is not None]
+    return _round(statistics.median(present), digits) if present else None
+
+
+def decode_tokens_per_s(run: Run) -> float | None:
+    """Tokens/s while ``run``'s requests decode: every token after each reply's first, over
+    the time from the earliest first token to the latest end, so prefill and admission
+    before the first tokens do not count. Replies with no text are left out; None when no
+    reply has the times (made-up runs) or they span no time."""
+    timed = [
+        r for r in run.replies.values() if r.first_token_at is not None and r.done_at is not None
+    ]
+    if not timed:
+        return None
+    span = max(r.done_at for r in timed) - min(r.first_token_at for r in timed)
+    tokens = sum(max(0, r.usage["completion_tokens"] - 1) for r in timed)
+    return round(tokens / span, 2) if span > 0 else None
+
+
 def summarize(runs: list[Run]) -> dict:
     """One server's totals over its runs of one workload."""
     replies = [r for run in runs for r in run.replies.values()]
@@ -105,31 +126,51 @@ def compare(workload: Workload, runs: dict[str, list[Run]]) -> dict:
     )
     out["greedy_outputs_match"] = mismatched == 0
     out["mismatched_requests"] = mismatched
-    if workload.repeats > 1:
-        rounds = [
-            {
+    if workload.repeats > 1 or workload.decode_rate:
+        rounds = []
+        for s, r in zip(runs["stock"], runs["radix"]):
+            rd = {
                 "stock_tokens_per_s": summarize([s])["tokens_per_s"],
                 "radix_tokens_per_s": summarize([r])["tokens_per_s"],
             }
-            for s, r in zip(runs["stock"], runs["radix"])
-        ]
-        for rd in rounds:
             rd["tokens_per_s_ratio"] = ratio(rd["radix_tokens_per_s"], rd["stock_tokens_per_s"])
+            if workload.decode_rate:
+                rd["stock_decode_tokens_per_s"] = decode_tokens_per_s(s)
+                rd["radix_decode_tokens_per_s"] = decode_tokens_per_s(r)
+                rd["decode_tokens_per_s_ratio"] = ratio(
+                    rd["radix_decode_tokens_per_s"], rd["stock_decode_tokens_per_s"]
+                )
+            rounds.append(rd)
         out["by_round"] = rounds
-        out["tokens_per_s_ratio_median"] = _round(
-            statistics.median(rd["tokens_per_s_ratio"] for rd in rounds)
-        )
+        out["tokens_per_s_ratio_median"] = _median([rd["tokens_per_s_ratio"] for rd in rounds])
+        if workload.decode_rate:
+            out["decode_tokens_per_s_ratio_median"] = _median(
+                [rd["decode_tokens_per_s_ratio"] for rd in rounds]
+            )
     if workload.poll_pool:
-        last = runs["radix"][-1]
-        per_token = last.pool_bytes_per_token
-        radix = out["radix"]
+        radix_runs = runs["radix"]
+        per_token = radix_runs[-1].pool_bytes_per_token
+        held = [r.kv_bytes_held_peak for r in radix_runs if r.kv_bytes_held_peak is not None]
+        tokens = workload.one_copy_tokens
+        one_copy = None if per_token is None or tokens is None else round(per_token * tokens)
+        # One run's tokens stored once per request, as stock's per-request caches hold them.
+        last = summarize(radix_runs[-1:])
+        unshared = last["prompt_tokens"] + last["completion_tokens"]
         out["kv_bytes_per_token"] = per_token
-        out["kv_bytes_held_peak"] = last.kv_bytes_held_peak
-        # The same tokens' K/V stored once per request, as stock's per-request caches hold it.
-        out["kv_bytes_unshared"] = (
-            None
-            if per_token is None
-            else round(per_token * (radix["prompt_tokens"] + radix["completion_tokens"]))
+        out["kv_bytes_held_peak"] = max(held) if held else None
+        out["kv_bytes_one_copy"] = one_copy
+        out["kv_held_over_one_copy"] = ratio(out["kv_bytes_held_peak"], one_copy)
+        # While all live requests decode (no prompt batch holding copies for its prefill).
+        decoding = [
+            r.kv_bytes_held_decode_peak
+            for r in radix_runs
+            if r.kv_bytes_held_decode_peak is not None
+        ]
+        out["kv_bytes_held_decode_peak"] = max(decoding) if decoding else None
+        out["kv_held_decode_over_one_copy"] = ratio(out["kv_bytes_held_decode_peak"], one_copy)
+        out["kv_bytes_unshared"] = None if per_token is None else round(per_token * unshared)
+        out["decode_paths"] = list(
+            dict.fromkeys(p for r in radix_runs for p in r.decode_paths or [])
         )
     return out
 
@@ -137,7 +178,9 @@ def compare(workload: Workload, runs: dict[str, list[Run]]) -> dict:
 def acceptance(workloads: dict[str, dict]) -> dict:
     """Issue 4's numbers: decode tokens/s ratio (median over alternating rounds), server CPU
     seconds per token (stock / radix: above 1, the plugin spends less), burst TTFT speedup
-    (stock / radix mean) and prompt tokens each server computed for the burst."""
+    (stock / radix mean) and prompt tokens each server computed for the burst. Shared-prefix
+    decode's: its decode tokens/s ratio (median over rounds) and the K/V the plugin held
+    over one copy of what the live requests need, there and in the memory workload."""
     out: dict = {}
     if "decode" in workloads:
         d = workloads["decode"]
@@ -162,6 +205,25 @@ def acceptance(workloads: dict[str, dict]) -> dict:
                 d["stock"]["cpu_s_per_token"], d["radix"]["cpu_s_per_token"]
             ),
         )
+    if "decode_shared" in workloads:
+        d = workloads["decode_shared"]
+        rounds = d["by_round"]
+        out.update(
+            decode_shared_requests=d["params"]["requests"],
+            decode_shared_prefix_tokens=d["params"]["prefix_tokens"],
+            decode_shared_tokens_per_s_ratio=d["decode_tokens_per_s_ratio_median"],
+            decode_shared_ratios_by_round=[r["decode_tokens_per_s_ratio"] for r in rounds],
+            decode_shared_tokens_per_s={
+                s: _median([r[f"{s}_decode_tokens_per_s"] for r in rounds], 2) for s in SERVERS
+            },
+            decode_shared_kv_held_over_one_copy=d["kv_held_over_one_copy"],
+            decode_shared_kv_held_decode_over_one_copy=d["kv_held_decode_over_one_copy"],
+            decode_shared_paths=d["decode_paths"],
+        )
+    if "memory" in workloads:
+        m = workloads["memory"]
+        out["memory_kv_held_over_one_copy"] = m["kv_held_over_one_copy"]
+        out["memory_kv_held_decode_over_one_copy"] = m["kv_held_decode_over_one_copy"]
     if "burst" in workloads:
         b = workloads["burst"]
         computed = {}
@@ -261,6 +323,16 @@ def _notes(report: dict) -> list[str]:
             f"{a['decode_tokens_per_s_ratio']:.2f}x (rounds: {rounds}); "
             f"CPU s/token stock/radix {'-' if cpu is None else f'{cpu:.3f}'}"
         )
+    d = report["workloads"].get("decode_shared")
+    if d:
+        p = d["params"]
+        out.append(
+            f"decode_shared, {p['requests']} concurrent on one cached {p['prefix_tokens']}-token "
+            f"prefix: decode tokens/s radix/stock median "
+            f"{_times(d['decode_tokens_per_s_ratio_median'])} (rounds: "
+            + " ".join(_times(r["decode_tokens_per_s_ratio"]) for r in d["by_round"])
+            + f"); {_held(d)}; decode path: {', '.join(d['decode_paths']) or '-'}"
+        )
     if "burst_ttft_mean_speedup" in a:
         c = a["burst_prompt_tokens_computed"]
         speedup = a["burst_ttft_mean_speedup"]
@@ -273,9 +345,8 @@ def _notes(report: dict) -> list[str]:
     if m and m["kv_bytes_held_peak"] is not None:
         p = m["params"]
         out.append(
-            f"memory, {p['requests']} live on a {p['prefix_tokens']}-token prefix: the radix "
-            f"pool held {m['kv_bytes_held_peak'] / 2**20:.2f} MiB of K/V at peak; the same "
-            f"tokens stored per request: {m['kv_bytes_unshared'] / 2**20:.2f} MiB"
+            f"memory, {p['requests']} live on a {p['prefix_tokens']}-token prefix: {_held(m)}; "
+            f"the same tokens stored per request: {m['kv_bytes_unshared'] / 2**20:.2f} MiB"
         )
     peaks = report["peak_rss_bytes"]
     if all(peaks[s] is not None for s in SERVERS):
@@ -285,6 +356,23 @@ def _notes(report: dict) -> list[str]:
         )
     out.append(f"greedy outputs identical: {'yes' if report['greedy_outputs_match'] else 'NO'}")
     return out
+
+
+def _times(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _held(w: dict) -> str:
+    """The K/V the radix server held at peak (pool pages and batch buffers), and that over
+    one copy of what the live requests need."""
+    if w["kv_bytes_held_peak"] is None:
+        return "K/V held: -"
+    # Reports saved before kv_held_over_one_copy existed render without it.
+    over = w.get("kv_held_over_one_copy")
+    copies = "" if over is None else f", {over:.2f}x one copy"
+    decoding = w.get("kv_held_decode_over_one_copy")
+    during = "" if decoding is None else f" ({decoding:.2f}x while only decoding)"
+    return f"radix held {w['kv_bytes_held_peak'] / 2**20:.2f} MiB of K/V at peak{copies}{during}"
 
 
 # -- files --------------------------------------------------------------------------

@@ -4,7 +4,8 @@ A workload builds *clients*: functions that send requests one after another thro
 ``send(key, path, body)`` callable and get the generated text back. Clients run
 concurrently; a workload's concurrency is its number of clients. Every request has a
 key, so the outputs of the two servers are compared request by request whatever order
-they finished in.
+they finished in. A workload may also have warm-up requests, sent one by one before its
+clients start and not measured.
 
 Prompts are made of words that are one token each for the model's tokenizer, so a
 prompt of N words is N tokens and a shared prefix stays a token-exact shared prefix.
@@ -28,6 +29,7 @@ from typing import ClassVar
 from .servers import ServerProcess, event_text
 
 Send = Callable[[Hashable, str, dict], str]
+Request = tuple[str, dict]  # (path, body)
 Client = Callable[[Send], None]
 
 WORD = re.compile(r"[A-Za-z][A-Za-z0-9]{0,15}")
@@ -73,9 +75,17 @@ class Prompts(random.Random):
     def __init__(self, seed: str, words: list[str]):
         super().__init__(seed)
         self.words = words
+        self._kept: dict[str, str] = {}
 
     def text(self, tokens: int) -> str:
         return "".join(" " + self.choice(self.words) for _ in range(tokens))
+
+    def kept(self, name: str, tokens: int) -> str:
+        """Text drawn at the first call for ``name`` and returned again after: a prefix that
+        a workload's warm-up and its clients share (both draw from one ``Prompts``)."""
+        if name not in self._kept:
+            self._kept[name] = self.text(tokens)
+        return self._kept[name]
 
 
 @dataclass(frozen=True)
@@ -95,14 +105,14 @@ class Sampling:
             body["logit_bias"] = self.logit_bias
         return body
 
-    def completion(self, prompt: str, max_tokens: int) -> tuple[str, dict]:
+    def completion(self, prompt: str, max_tokens: int) -> Request:
         return "/v1/completions", {"prompt": prompt, **self._common(max_tokens)}
 
-    def chat(self, messages: list[dict], max_tokens: int) -> tuple[str, dict]:
+    def chat(self, messages: list[dict], max_tokens: int) -> Request:
         return "/v1/chat/completions", {"messages": messages, **self._common(max_tokens)}
 
 
-def _pool(requests: list[tuple[Hashable, tuple[str, dict]]], concurrency: int) -> list[Client]:
+def _pool(requests: list[tuple[Hashable, Request]], concurrency: int) -> list[Client]:
     """``concurrency`` clients taking the requests in order from one queue."""
     queue = deque(requests)
 
@@ -122,8 +132,10 @@ class Workload(ABC):
     """Sizes of one workload; ``build`` turns them into clients for one server's run."""
 
     name: ClassVar[str]
-    # Poll the plugin's pool while the workload runs, for the most K/V live requests held.
+    # Poll the plugin's stats while the workload runs, for the most K/V live requests held.
     poll_pool: ClassVar[bool] = False
+    # Report decode tokens/s per run from the replies' first-token and end times.
+    decode_rate: ClassVar[bool] = False
 
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -137,6 +149,17 @@ class Workload(ABC):
     @abstractmethod
     def total_requests(self) -> int:
         """Requests per run."""
+
+    @property
+    def one_copy_tokens(self) -> int | None:
+        """Tokens of one copy of the K/V the live requests need, where the workload polls
+        the pool; the K/V held is reported against it."""
+        return None
+
+    def warmup(self, p: Prompts, s: Sampling) -> list[Request]:
+        """Requests sent before the clients, one at a time, neither timed nor reported;
+        drawn from the same ``p`` just before ``build``."""
+        return []
 
     @abstractmethod
     def build(self, p: Prompts, s: Sampling) -> list[Client]:
@@ -282,29 +305,75 @@ class Decode(Workload):
 
 
 @dataclass(frozen=True)
-class Memory(Workload):
-    """``requests`` live requests on one ``prefix_tokens``-token prefix: peak process
-    memory, and the KV bytes the plugin's pool holds meanwhile."""
+class LivePrefix(Workload):
+    """``requests`` requests live at once on one ``prefix_tokens``-token prefix, each with
+    its own question: the K/V the plugin holds for them is polled and set against one copy."""
 
     requests: int
     prefix_tokens: int
     question_tokens: int
     output_tokens: int
-    name: ClassVar[str] = "memory"
     poll_pool: ClassVar[bool] = True
 
     @property
     def total_requests(self) -> int:
         return self.requests
 
+    @property
+    def one_copy_tokens(self) -> int:
+        return self.prefix_tokens + self.requests * (self.question_tokens + self.output_tokens)
+
+
+@dataclass(frozen=True)
+class Memory(LivePrefix):
+    """A burst on a new prefix: peak process memory, and the K/V bytes the plugin holds
+    meanwhile (pool pages and batch buffers)."""
+
+    name: ClassVar[str] = "memory"
+
     def build(self, p: Prompts, s: Sampling) -> list[Client]:
         return Burst(**self.params()).build(p, s)
 
 
 @dataclass(frozen=True)
+class DecodeShared(LivePrefix):
+    """Decode over a shared cached prefix: the requests sent at once with long outputs, run
+    ``rounds`` times per server. A warm-up request on the same prefix (another question)
+    caches it on both servers first, so the rounds time decoding, not the prefix's prefill."""
+
+    rounds: int
+    name: ClassVar[str] = "decode_shared"
+    decode_rate: ClassVar[bool] = True
+    WARMUP_OUTPUT_TOKENS: ClassVar[int] = 2  # enough for both servers to cache the prompt
+
+    @property
+    def repeats(self) -> int:
+        return self.rounds
+
+    @property
+    def warmup_tokens(self) -> int:
+        """The warm-up request's prompt and output."""
+        return self.prefix_tokens + self.question_tokens + self.WARMUP_OUTPUT_TOKENS
+
+    def warmup(self, p: Prompts, s: Sampling) -> list[Request]:
+        prompt = p.kept("prefix", self.prefix_tokens) + p.text(self.question_tokens)
+        return [s.completion(prompt, self.WARMUP_OUTPUT_TOKENS)]
+
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        prefix = p.kept("prefix", self.prefix_tokens)
+        reqs = [
+            (i, s.completion(prefix + p.text(self.question_tokens), self.output_tokens))
+            for i in range(self.requests)
+        ]
+        return _pool(reqs, self.requests)
+
+
+@dataclass(frozen=True)
 class Preset:
     workloads: tuple[Workload, ...]
-    pool_tokens: int  # the plugin's pool: room for the largest workload's prompts
+    # The plugin's pool: room for the largest workload's prompts, and for decode_shared's
+    # requests and warm-up even with nothing shared (each request's whole context).
+    pool_tokens: int
 
 
 PRESETS: dict[str, Preset] = {
@@ -316,6 +385,7 @@ PRESETS: dict[str, Preset] = {
             PrefixRepetition(12, 24, 32, 4, 2),
             MultiTurn(2, 3, 32, 8, 4),
             Decode(4, 8, 16, rounds=2),
+            DecodeShared(4, 64, 8, 16, rounds=2),
             Memory(8, 128, 8, 8),
         ),
         pool_tokens=4096,
@@ -327,12 +397,14 @@ PRESETS: dict[str, Preset] = {
             PrefixRepetition(12, 36, 128, 16, 4),
             MultiTurn(4, 3, 128, 24, 16),
             Decode(8, 32, 64, rounds=3),
+            DecodeShared(8, 1024, 16, 64, rounds=3),
             Memory(8, 1024, 16, 16),
         ),
-        pool_tokens=8192,
+        pool_tokens=12288,
     ),
     # DESIGN.md's baselines: shared prefix 4 x 8 of ~600 tokens, burst of 8 on a new
-    # 500-token prefix, decode of 8 x 128 tokens over 5 alternating rounds.
+    # 500-token prefix, decode of 8 x 128 tokens over 5 alternating rounds; shared-prefix
+    # decode's acceptance run: 8 x 128 tokens on one cached 2,048-token prefix.
     "medium": Preset(
         (
             SharedPrefix(4, 8, 512, 64, 16, concurrency=8),
@@ -340,9 +412,10 @@ PRESETS: dict[str, Preset] = {
             PrefixRepetition(16, 48, 256, 16, 8),
             MultiTurn(4, 4, 256, 32, 32),
             Decode(8, 32, 128, rounds=5),
+            DecodeShared(8, 2048, 16, 128, rounds=3),
             Memory(8, 1024, 16, 32),
         ),
-        pool_tokens=8192,
+        pool_tokens=20480,
     ),
 }
 WORKLOADS = tuple(w.name for w in PRESETS["smoke"].workloads)
@@ -353,6 +426,10 @@ class Reply:
     text: str
     usage: dict
     ttft_s: float | None  # None: no text came back
+    # time.perf_counter() at the first text and at the end of the stream: comparable across
+    # one run's requests, for the decode rate while they all decode.
+    first_token_at: float | None = None
+    done_at: float | None = None
 
 
 @dataclass
@@ -369,8 +446,12 @@ class Run:
     # From /v1/cache/stats deltas; None from stock, which has no such endpoint.
     stats_prompt_tokens: int | None = None
     stats_cached_tokens: int | None = None
-    kv_bytes_held_peak: int | None = None  # K/V bytes of the pool's pages live requests held
+    # K/V bytes live requests held: their locked pool pages plus mlx-lm's batch buffers.
+    kv_bytes_held_peak: int | None = None
+    # The same at moments when every live request decodes and nothing is being prefilled.
+    kv_bytes_held_decode_peak: int | None = None
     pool_bytes_per_token: float | None = None
+    decode_paths: list[str] | None = None  # the plugin's decode paths seen, in order
 
 
 def run_workload(
@@ -388,17 +469,23 @@ def run_workload(
         start = time.perf_counter()
         first: list[float] = []
         events = server.stream(path, body, on_first=lambda: first.append(time.perf_counter()))
+        done = time.perf_counter()
         text = "".join(event_text(e) for e in events)
         usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
         if usage is None:
             raise RuntimeError(f"{name}: no usage in the streamed response of {path}")
-        replies[key] = Reply(text, usage, first[0] - start if first else None)
+        first_at = first[0] if first else None
+        ttft = None if first_at is None else first_at - start
+        replies[key] = Reply(text, usage, ttft, first_at, done)
         on_reply()
         return text
 
+    # Before the measured window: the stats deltas and the pool's baseline leave it out.
+    for path, body in workload.warmup(prompts, sampling):
+        server.stream(path, body)
     clients = workload.build(prompts, sampling)
     cpu_before, stats_before = server.cpu_seconds(), server.stats()
-    poller = _PoolPoller(server) if workload.poll_pool and stats_before else None
+    poller = _PoolPoller(server, stats_before) if workload.poll_pool and stats_before else None
     with server.peak_rss() as peak:
         if poller:
             poller.start()
@@ -417,27 +504,42 @@ def run_workload(
         slots = stats_after["pages_total"] * stats_after["page_size"]
         run.pool_bytes_per_token = stats_after["pool_bytes_total"] / slots if slots else None
     if poller:
-        # Locked pages are those live requests hold; pages cached by earlier workloads are
-        # evictable and do not count.
-        locked = max(0, poller.peak - stats_before["pages_locked"])
-        run.kv_bytes_held_peak = (
-            locked * stats_after["pool_bytes_total"] // stats_after["pages_total"]
-        )
+        run.kv_bytes_held_peak, run.decode_paths = poller.peak, poller.paths
+        run.kv_bytes_held_decode_peak = poller.decode_peak
     return run
 
 
 class _PoolPoller(threading.Thread):
-    """Reads the plugin's ``pages_locked`` every 20 ms; keeps the largest."""
+    """Reads the plugin's stats every 20 ms; keeps the most K/V bytes live requests held
+    and the decode paths the batch took."""
 
-    def __init__(self, server: ServerProcess):
+    def __init__(self, server: ServerProcess, before: dict):
         super().__init__(daemon=True)
         self.server, self.peak = server, 0
+        self.decode_peak: int | None = None
+        self.paths: list[str] = []
+        self.page_bytes = before["pool_bytes_total"] // before["pages_total"]
+        self.locked_before = before["pages_locked"]
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(0.02):
-            stats = self.server.stats()
-            self.peak = max(self.peak, stats["pages_locked"])
+            self.sample(self.server.stats())
+
+    def sample(self, stats: dict) -> None:
+        # Locked pages are those live requests hold (pages cached by earlier workloads are
+        # evictable); the batch buffers hold copies outside the pool. Both come from one
+        # response, so they add up to what was held at one moment. A server older than
+        # batch_buffer_bytes has it uncounted.
+        pages = max(0, stats["pages_locked"] - self.locked_before)
+        held = pages * self.page_bytes + stats.get("batch_buffer_bytes", 0)
+        self.peak = max(self.peak, held)
+        if stats.get("decode_rows") and stats.get("prefill_buffer_bytes") == 0:
+            decoding = pages * self.page_bytes + stats["decode_buffer_bytes"]
+            self.decode_peak = max(self.decode_peak or 0, decoding)
+        path = stats.get("decode_path")
+        if path is not None and path not in self.paths:
+            self.paths.append(path)
 
     def stop(self) -> None:
         self._stop_event.set()
