@@ -76,10 +76,6 @@ class SharedRows:
         ]
         self._prefix_index: dict[tuple[int, int], mx.array] = {}
 
-    def shared_tokens(self, page_size: int) -> int:
-        """Tokens of the prefixes read once for several rows."""
-        return sum(g.tokens(page_size) for g in self.groups if len(g.rows) > 1)
-
     def prefix_index(self, group: int, heads: int) -> mx.array:
         """Rows of a ``(slots * heads, dim)`` view that hold group ``group``'s prefix,
         ``(heads, tokens)``: one gather lays it out as attention reads it."""

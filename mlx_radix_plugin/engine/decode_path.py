@@ -78,7 +78,7 @@ def idle_stats(mode: str) -> dict:
 
 
 class DecodePath:
-    """Puts a generation batch on the path ``mode`` asks for, before each step."""
+    """Puts a generation batch on the path ``mode`` asks for, between steps."""
 
     def __init__(self, mode: str, rule: SharedPrefixRule, attention_calls: int = 0):
         """``attention_calls``: per forward pass (``attention.attention_calls``)."""
@@ -92,7 +92,8 @@ class DecodePath:
         self._decided: tuple[int, int, bool] | None = None  # (id of rows, version, shared)
 
     def prepare(self, batch) -> None:
-        """Before ``batch`` (mlx-lm's GenerationBatch) steps: switch path if it should."""
+        """Between steps of ``batch`` (mlx-lm's GenerationBatch): switch path if it should,
+        and on the shared path give every row a page slot for its next token."""
         caches = batch.prompt_cache
         if self.mode == "off" or not caches:
             return

@@ -172,7 +172,6 @@ class RadixBatchGenerator(BatchGenerator):
         # Requests that finish in this call give their pages back when the server
         # commits them, right after it: until then they still count as running.
         self._ran = bool(len(self._prompt_batch) or len(self._generation_batch))
-        self.decode_path.prepare(self._generation_batch)
         responses = super()._next()
         # mlx-lm evaluates what the next tokens need, not our page writes: they are
         # scheduled here, behind the step that made them, without waiting for it.
@@ -181,6 +180,9 @@ class RadixBatchGenerator(BatchGenerator):
         # in a burst of 8 x 500 tokens on a 262k-token pool, 0.02 s when run here), and
         # every admission's synchronisation would wait for the pile.
         mx.async_eval(self.radix.pool.arrays)
+        # The batch's path for its next step, chosen as soon as rows have joined or left:
+        # a batch that goes shared drops its buffers now, not one step later.
+        self.decode_path.prepare(self._generation_batch)
         self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
         for batch in (self._prompt_batch, self._generation_batch):
             rows = rows_of(batch.prompt_cache)
