@@ -24,7 +24,10 @@ from pathlib import Path
 KEY = ("calibration", None, None)
 
 
-def _grid(text: str) -> list[tuple[int, int]]:
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    """``ROWSxPREFIX,...`` as pairs; an empty text is no point."""
+    if not text:
+        return []
     try:
         points = [tuple(int(v) for v in p.split("x")) for p in text.split(",")]
     except ValueError:
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="model directory (else --shape builds random weights)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--grid", type=_grid, default=_grid("2x512,4x512,8x512,4x1024,8x2048"))
+    p.add_argument("--grid", type=parse_grid, default=parse_grid("2x512,4x512,8x512,4x1024,8x2048"))
     p.add_argument("--question", type=int, default=32, help="own tokens of each request")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per point")
     p.add_argument("--page-size", type=int, default=16)

@@ -34,6 +34,7 @@ import mlx.core as mx
 from ..models.random_model import SHAPES, TINY, build, words
 from .bench.command import NO_EOS, Requests, server_env
 from .bench.servers import ServerProcess, free_port
+from .decode_calibration import parse_grid
 
 DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
 SERVERS = ("stock", "radix")
@@ -506,18 +507,6 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
-def _grid(text: str) -> list[tuple[int, int]]:
-    if not text:
-        return []
-    try:
-        points = [tuple(int(v) for v in p.split("x")) for p in text.split(",")]
-    except ValueError:
-        points = []
-    if not points or any(len(p) != 2 or min(p) < 1 for p in points):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWSxPREFIX,... e.g. 32x2048,8x1024")
-    return points
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -533,8 +522,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="decode: rounds per server")
     p.add_argument(
         "--decode-shared",
-        type=_grid,
-        default=_grid("32x2048,32x4096,8x1024"),
+        type=parse_grid,
+        default=parse_grid("32x2048,32x4096,8x1024"),
         help="decode on a cached shared prefix: ROWSxPREFIX,... (empty: none)",
     )
     p.add_argument("--shared-max-tokens", type=int, default=256, help="decode-shared: tokens out")
