@@ -69,8 +69,10 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     shared = shape["decode_shared"]["3x64"]
     assert shared["requests"] == 3 and shared["greedy_match"] == 3
     assert shared["stock"]["decode_tokens_per_s"] > 0 and shared["ratio"] > 0
-    assert shared["radix"]["decode_paths"] == ["shared"]
-    assert shared["radix"]["decode_groups_max"] == 1 and shared["radix"]["kv_bytes_held_peak"] > 0
+    assert shared["radix"]["shared_steps"] >= 5  # 6 tokens: the first comes from the prefill
+    # What the 50 ms poll saw of a round this short depends on timing: only what it may say.
+    assert set(shared["radix"]["decode_paths"]) <= {"shared"}
+    assert shared["radix"]["decode_groups_max"] in (0, 1)
 
     cached = shape["cached_prefix"]
     assert cached["radix"]["cached_tokens_mean"] >= 64

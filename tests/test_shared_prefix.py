@@ -209,6 +209,8 @@ def test_the_shared_path_holds_no_batch_buffer_and_reads_each_prefix_once(loaded
     assert exact["decode_path"] == "exact" and exact["batch_buffer_bytes"] > 0
     assert shared["decode_path"] == "shared" and shared["batch_buffer_bytes"] == 0
     assert shared["decode_rows"] == 4 and shared["decode_groups"] == 1
+    assert exact["decode_steps_shared"] == 0 and exact["decode_steps_exact"] >= 1
+    assert shared["decode_steps_shared"] >= 1
     # The prefix and the pages of " Question" after it, shared in flight.
     common = len(os.path.commonprefix(prompts))
     assert shared["decode_shared_tokens"] == common // PS * PS > len(prefix)

@@ -74,6 +74,8 @@ def idle_stats(mode: str) -> dict:
         "batch_buffer_bytes": 0,
         "decode_buffer_bytes": 0,
         "prefill_buffer_bytes": 0,
+        "decode_steps_shared": 0,
+        "decode_steps_exact": 0,
     }
 
 
@@ -89,6 +91,7 @@ class DecodePath:
         self.mode = mode
         self.rule = rule
         self.attention_calls = attention_calls
+        self.steps = {"shared": 0, "exact": 0}  # decode steps taken on each path
         self._decided: tuple[int, int, bool] | None = None  # (id of rows, version, shared)
 
     def prepare(self, batch) -> None:
@@ -125,11 +128,17 @@ class DecodePath:
             self._decided = (*key, self.rule.takes_shared(groups, rows.lengths, ps))
         return self._decided[2]
 
+    def count_step(self, batch) -> None:
+        """Before ``batch`` steps: count the step on the path it takes."""
+        caches = batch.prompt_cache
+        if len(batch) and caches:
+            self.steps["shared" if isinstance(caches[0], SharedPrefixBatchCache) else "exact"] += 1
+
     def stats(self, generation, prompt) -> dict:
         """What ``/v1/cache/stats`` shows of decoding: the path, the rows, the prefixes read
         once, and the K/V the batches hold outside the pool (mlx-lm's buffers)."""
         if generation is None:
-            return idle_stats(self.mode)
+            return {**idle_stats(self.mode), **self._step_counts()}
         caches = generation.prompt_cache
         rows = getattr(caches[0], "rows", None) if caches else None
         shared = isinstance(rows, BatchRows) and isinstance(caches[0], SharedPrefixBatchCache)
@@ -148,7 +157,11 @@ class DecodePath:
             # holds a copy of each cached prefix while it prefills.
             "decode_buffer_bytes": decode_bytes,
             "prefill_buffer_bytes": prefill_bytes,
+            **self._step_counts(),
         }
+
+    def _step_counts(self) -> dict:
+        return {f"decode_steps_{path}": n for path, n in self.steps.items()}
 
     @staticmethod
     def _reserve_next(rows: BatchRows) -> bool:

@@ -172,6 +172,7 @@ class RadixBatchGenerator(BatchGenerator):
         # Requests that finish in this call give their pages back when the server
         # commits them, right after it: until then they still count as running.
         self._ran = bool(len(self._prompt_batch) or len(self._generation_batch))
+        self.decode_path.count_step(self._generation_batch)
         responses = super()._next()
         # mlx-lm evaluates what the next tokens need, not our page writes: they are
         # scheduled here, behind the step that made them, without waiting for it.

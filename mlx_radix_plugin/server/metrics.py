@@ -50,6 +50,16 @@ METRICS = {
         "gauge",
         "K/V bytes the running batches hold outside the pool (copies of cached prefixes).",
     ),
+    "decode_steps_shared": (
+        "mlx_radix_decode_steps_shared_total",
+        "counter",
+        "Decode steps that read shared prefixes once (shared-prefix decode).",
+    ),
+    "decode_steps_exact": (
+        "mlx_radix_decode_steps_exact_total",
+        "counter",
+        "Decode steps on the exact path (mlx-lm's batch buffer).",
+    ),
     "decode_buffer_bytes": (
         "mlx_radix_decode_buffer_bytes",
         "gauge",

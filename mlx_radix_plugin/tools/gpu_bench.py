@@ -224,7 +224,8 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
 
 class _StatsPoller(threading.Thread):
     """Reads the plugin's /v1/cache/stats every 50 ms while a round runs: the largest K/V
-    it held (pool pages live requests lock, plus batch buffers) and the decode paths seen."""
+    it held (pool pages live requests lock, plus batch buffers) and the decode paths seen
+    (a round shorter than a sample may show none: the step counters are exact)."""
 
     def __init__(self, server: ServerProcess):
         super().__init__(daemon=True)
@@ -279,11 +280,16 @@ def measure_decode_shared(servers: dict, args, rows: int, prefix: int, rng_seed:
                 stream_all(servers[name], [warm], 2)  # the prefix is cached before the round
                 poller = _StatsPoller(servers[name]) if name == "radix" else None
                 if poller:
+                    before = servers[name].stats()
                     poller.start()
                 start = time.perf_counter()
                 _, results = stream_all(servers[name], prompts, args.shared_max_tokens)
                 if poller:
                     extra[name] = poller.stop()
+                    after = servers[name].stats()
+                    extra[name]["shared_steps"] = (
+                        after["decode_steps_shared"] - before["decode_steps_shared"]
+                    )
             except Exception as e:  # noqa: BLE001 - the server's failure is the result
                 failed[name] = f"{type(e).__name__}: {e}"[:300]
                 continue
