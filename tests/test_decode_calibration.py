@@ -12,12 +12,22 @@ def test_a_tiny_grid_times_every_path(tmp_path):
     model = build("smollm2-135m", tmp_path / "m", **TINY)
     out = tmp_path / "rows.json"
     argv = ["--model", str(model), "--grid", "3x32", "--steps", "3", "--page-size", "4"]
+    argv += ["--modes", "stock,off,on,masked"]
     assert decode_calibration.main([*argv, "--question", "5", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["rows"], row["prefix"], row["auto"]) == (3, 32, "exact")
-    assert (row["stock_path"], row["off_path"], row["on_path"]) == ("stock", "exact", "shared")
-    assert min(row["stock_ms"], row["off_ms"], row["on_ms"]) > 0
-    assert row["shared_speedup"] == round(row["stock_ms"] / row["on_ms"], 3)
+    paths = [row[f"{m}_path"] for m in ("stock", "off", "on", "masked")]
+    assert paths == ["stock", "exact", "shared", "shared"]
+    assert min(row["stock_ms"], row["off_ms"], row["on_ms"], row["masked_ms"]) > 0
+    assert row["on_speedup"] == round(row["stock_ms"] / row["on_ms"], 3)
+
+
+def test_modes_start_with_stock_and_are_named(capsys):
+    with pytest.raises(SystemExit):
+        decode_calibration.main(["--modes", "on,stock"])
+    assert "'on,stock': expected stock, then any of off, on, split, masked" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_bad_grid_is_named(capsys):

@@ -90,3 +90,20 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert "| tiny | decode, 2 concurrent: tokens/s (ms/token) |" in table
     assert "| tiny | burst of 3 on a new 48-token prefix: prompt tokens computed |" in table
     assert "| tiny | decode, 3 requests on a cached 64-token prefix, 6 out: tokens/s |" in table
+
+
+@pytest.mark.slow
+def test_decode_shared_alone_runs_only_that_workload(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "gpu.json"
+    argv = [
+        "--shape", "tiny", "--dtype", "float32", "--workload", "decode-shared",
+        "--rounds", "2", "--question", "8", "--bandwidth-mib", "8", "--pool-tokens", "4096",
+        "--decode-shared", "2x48", "--shared-max-tokens", "4", "--json", str(out),
+    ]  # fmt: skip
+    assert gpu_bench.main(argv) == 0
+    (shape,) = json.loads(out.read_text())["shapes"]
+    assert set(shape) >= {"decode_shared"} and not {"decode", "burst", "floor"} & set(shape)
+    point = shape["decode_shared"]["2x48"]
+    assert point["requests"] == 4 and point["greedy_match"] == 4
+    assert len(point["stock"]["by_round"]) == len(point["radix"]["by_round"]) == 2

@@ -145,8 +145,15 @@ def question(tok, i):
     return tok.encode(f" Question {i}: where is city {i}?")
 
 
+@pytest.fixture(params=["split", "masked"])
+def variant(request, monkeypatch):
+    """Both ways of computing the shared path, whatever this machine's device picks."""
+    monkeypatch.setattr(attention, "VARIANT", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_one_group_reads_its_prefix_once_and_answers_as_stock(loaded, arch):
+def test_one_group_reads_its_prefix_once_and_answers_as_stock(loaded, arch, variant):
     model, tok = loaded(arch)
     prefix = prefix_of(tok)
     prompts = [prefix + question(tok, i) for i in range(4)]
@@ -161,7 +168,7 @@ def test_one_group_reads_its_prefix_once_and_answers_as_stock(loaded, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_groups_joining_leaving_and_diverging_mid_page(loaded, arch):
+def test_groups_joining_leaving_and_diverging_mid_page(loaded, arch, variant):
     """Two prefixes of two requests each, a request sharing nothing, one that diverges from
     a prefix mid-page; two requests join mid-decode, and requests leave at different steps."""
     model, tok = loaded(arch)
@@ -353,9 +360,9 @@ def test_models_that_attend_outside_the_call_site_keep_the_exact_path(loaded, ca
         ("cpu", 4, 1024, False),
         ("cpu", 4, 2048, True),
         ("cpu", 8, 2048, True),
-        # H200: the shared path's fixed cost needs 32 x 4,096-class savings there.
+        # H200: level at 8 x 1,024, 1.5x stock from 32 x 2,048.
         ("gpu", 8, 1024, False),
-        ("gpu", 32, 2048, False),
+        ("gpu", 32, 2048, True),
         ("gpu", 32, 4096, True),
     ],
 )
@@ -374,3 +381,105 @@ def test_auto_counts_every_group_and_the_longest_own_part():
     assert rule.takes_shared(groups, [80, 80, 80, 80, 10], 4)
     # A lone row of 40 own tokens pads every row's own part to 40: 2 x 64 + 5 x 40 = 328.
     assert not rule.takes_shared(groups, [80, 80, 80, 80, 40], 4)
+
+
+def test_on_a_gpu_the_masked_variant_serves_until_its_scores_pass_the_split(monkeypatch):
+    """The variant follows the scores of a layer (heads x rows x padded columns)."""
+
+    class Step:
+        def __init__(self, rows, columns):
+            self.lengths = [0] * rows
+            self.masked_columns = lambda: columns
+
+    monkeypatch.setattr(attention.mx, "default_device", lambda: attention.mx.gpu)
+    assert attention.variant(Step(32, 4096), 32) == "masked"  # 4.2M scores
+    assert attention.variant(Step(32, 12288), 32) == "split"  # 12.6M
+    monkeypatch.setattr(attention, "VARIANT", "split")
+    assert attention.variant(Step(8, 2048), 32) == "split"
+
+
+def test_masked_columns_are_whole_buckets_of_prefixes_and_own_tokens(loaded, monkeypatch):
+    from mlx_radix_plugin.cache import shared_batch
+
+    monkeypatch.setattr(shared_batch, "MASKED_BUCKET", 64)
+    model, tok = loaded("llama")
+    prefix = prefix_of(tok)
+    prompts = [prefix + question(tok, i) for i in range(3)]
+    rpc = radix(model)
+    warm(model, rpc, [prefix])
+    gen = RadixBatchGenerator(model, rpc, shared_prefix="on", completion_batch_size=8)
+    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+    gen.insert_segments(
+        [[r] for _, r in fetched],
+        max_tokens=[6] * 3,
+        caches=[c for c, _ in fetched],
+        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+    )
+    del fetched
+    seen = []
+    real = attention.masked_attention
+
+    def spy(queries, keys, values, cache, scale, sinks=None):
+        step = cache.step
+        index, mask = step.masked_layout(keys.shape[1], cache.window)
+        seen.append(
+            (step.masked_columns(), index.shape[1], mask.shape, mask.sum(axis=1).tolist(), step)
+        )
+        return real(queries, keys, values, cache, scale, sinks)
+
+    monkeypatch.setattr(attention, "VARIANT", "masked")
+    monkeypatch.setattr(attention, "masked_attention", spy)
+    while len(gen._generation_batch) < 3 or gen.decode_stats["decode_path"] != "shared":
+        gen.next()
+    seen.clear()
+    gen.next()
+    gen.close()
+    columns, gathered, shape, visible, step = seen[-1]
+    assert columns % 64 == 0 and shape == (3, columns) and gathered == columns - 3
+    # Each row sees its group's prefix, its own tokens and its token: all its context, and
+    # (the columns being more) not the others' own tokens.
+    assert visible == [n + 1 for n in step.lengths]
+    assert columns >= len(prefix) // PS * PS + sum(n - len(prefix) // PS * PS for n in step.lengths)
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_responses_carry_stock_logprobs_on_the_host(loaded, mode):
+    """Each response's log-probabilities are a host float32 row (mlx_lm.server indexes
+    them every step: on an MLX array that waits for the next step's pass), with stock's
+    values (stock prefilled the whole prompts here, the engine only what follows the
+    cached prefix: rounding differs on both paths)."""
+    import numpy as np
+
+    model, tok = loaded("llama")
+    prefix = prefix_of(tok)
+    prompts = [prefix + question(tok, i) for i in range(3)]
+
+    def run(gen, **kwargs):
+        uids = gen.insert_segments(max_tokens=[5] * 3, **kwargs)
+        rows = {u: [] for u in uids}
+        done = 0
+        while done < 3:
+            for r in gen.next()[1]:
+                rows[r.uid].append((r.token, r.logprobs))
+                done += r.finish_reason is not None
+        gen.close()
+        return [rows[u] for u in uids]
+
+    stock = run(BatchGenerator(model, completion_batch_size=8), segments=[[p] for p in prompts])
+    rpc = radix(model)
+    warm(model, rpc, [prefix])
+    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+    got = run(
+        RadixBatchGenerator(model, rpc, shared_prefix=mode, completion_batch_size=8),
+        segments=[[r] for _, r in fetched],
+        caches=[c for c, _ in fetched],
+        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+    )
+    del fetched
+    for ours, theirs in zip(got, stock):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        for (token, row), (_, expected) in zip(ours, theirs):
+            assert isinstance(row, np.ndarray) and row.dtype == np.float32
+            expected = np.asarray(expected.astype(mx.float32))
+            assert np.abs(row - expected).max() <= FIDELITY_TOLERANCE * np.abs(expected).max()
+            assert isinstance(row[token].item(), float)

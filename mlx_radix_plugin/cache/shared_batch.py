@@ -29,6 +29,10 @@ from .batch import BatchRows
 from .offset import OffsetCache
 
 
+# Columns of the masked variant's keys come in whole buckets of this many (see masked_layout).
+MASKED_BUCKET = 1024
+
+
 class SharedRows:
     """A shared-prefix batch's groups and each row's own slots, kept between passes."""
 
@@ -143,6 +147,55 @@ class SharedPass:
                 mask = mask & (pos >= first)
             mask = self._masks[key] = mask[:, None, None, :]
         return mask
+
+    def masked_columns(self) -> int:
+        """Key columns of the masked variant in a layer that reads every prefix."""
+        shared = self.shared
+        B, width = shared.own_slots.shape
+        columns = sum(len(g.pages) for g in shared.prefixed) * self.pool.page_size
+        columns += B * width + B
+        return columns + -columns % MASKED_BUCKET
+
+    def masked_layout(self, heads: int, window: int | None) -> tuple[mx.array, mx.array]:
+        """The masked variant's keys and what each row sees of them: ``(heads, tokens)``
+        rows of the flat view (each group's prefix the window has not left, then every
+        row's own slots, row after row) and ``(rows, tokens + rows)`` booleans, the last
+        ``rows`` columns being the step's own tokens."""
+        key = ("masked", heads, window)
+        layout = self._masks.get(key)
+        if layout is not None:
+            return layout
+        shared = self.shared
+        B, width = shared.own_slots.shape
+        index, seen = [], []
+        for g in range(len(shared.prefixed)):
+            visible = self.prefix_mask(g, window)
+            if isinstance(visible, str):
+                continue  # no row's window reaches this prefix: not read at all
+            rows = shared.group_rows[g]
+            prefix = shared.prefix_index(g, heads)
+            if rows is None and visible is None:
+                m = mx.ones((B, prefix.shape[1]), mx.bool_)
+            else:
+                m = mx.zeros((B, prefix.shape[1]), mx.bool_)
+                m[mx.arange(B) if rows is None else rows] = True if visible is None else visible
+            index.append(prefix)
+            seen.append(m)
+        own = shared.own_slots.reshape(-1)
+        index.append(own[None, :] * heads + mx.arange(heads, dtype=mx.int32)[:, None])
+        eye = mx.eye(B, dtype=mx.bool_)
+        seen.append((eye[:, :, None] & self.own_mask(window)[:, 0]).reshape(B, B * width))
+        # Padded to a whole bucket (slot 0, never seen): the fused call's shapes then change
+        # once a bucket, not every step (CUDA builds a cuDNN graph per shape, ~45 ms).
+        columns = sum(i.shape[1] for i in index) + B
+        pad = -columns % MASKED_BUCKET
+        if pad:
+            index.append(mx.zeros((heads, pad), mx.int32))
+            seen.append(mx.zeros((B, pad), mx.bool_))
+        seen.append(eye)
+        layout = (mx.concatenate(index, axis=1), mx.concatenate(seen, axis=1))
+        self._masks[key] = layout
+        return layout
 
     def prefix_mask(self, group: int, window: int | None) -> mx.array | str | None:
         """Which prefix positions each query row of group ``group`` sees in a layer with

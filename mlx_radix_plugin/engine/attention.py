@@ -18,6 +18,10 @@ l_o e^(m_o-M) [+ e^(sink-M)])``, so an attention sink (gpt-oss) enters the softm
 A sliding-window layer masks what left its window, and skips a group's prefix part when
 the window has left the prefix for all its rows.
 
+That is the ``split`` variant. The ``masked`` one computes the same step as one fused
+attention call over all rows at once (``masked_attention``): fewer operations, more
+products; ``variant`` picks by device and sizes, from measurements.
+
 Summing in another order than stock changes float32 logits by rounding only:
 ``FIDELITY_TOLERANCE`` is what the tests hold every step of every architecture to.
 """
@@ -32,7 +36,7 @@ import mlx.nn as nn
 from mlx_lm.models import base
 
 from ..cache.offset import OffsetCache
-from ..cache.shared_batch import SharedPrefixBatchCache, owner_of
+from ..cache.shared_batch import SharedPass, SharedPrefixBatchCache, owner_of
 from ..memory.pool import KVPool
 
 # Max |logit - stock's logit| <= FIDELITY_TOLERANCE x max |stock's logit|, float32, at every
@@ -171,6 +175,68 @@ def _prefix_part(
     return tuple(x.reshape(H, n, G, -1).transpose(1, 0, 2, 3) for x in (m, total, o))
 
 
+# How the shared path computes: None decides by device and sizes (``variant``); tests set
+# "split" or "masked" to check both on the CPU.
+VARIANT: str | None = None
+
+# On a GPU the masked variant is taken while a layer's scores (query heads x rows x key
+# columns, padding included) stay under this; above, the split one. Measured on the H200
+# (Llama-3-8B, bf16, 32 query heads), ms a decode step in process, 40 steps, with 32 and
+# 288 own tokens a row (the latter: a request 256 tokens into its answer):
+#
+#   rows x prefix, own     stock   split   masked   masked scores a layer
+#   8 x 1,024, 32            8.6    24.8      9.5     0.5M
+#   32 x 2,048, 32          26.5    18.6     16.8     4.2M
+#   32 x 4,096, 32          49.3    18.5     21.1     6.3M
+#   32 x 2,048, 288         28.9    21.1     30.0    12.6M
+#   32 x 4,096, 288         51.8    23.0     33.4    14.7M
+#
+# The split variant's ~45 operations a layer cost ~11 ms a step whatever the sizes; the
+# masked one's single fused call grows with its scores, and passes the split near 5M.
+MASKED_MAX_SCORES = 5_000_000
+
+
+def variant(step: SharedPass, query_heads: int) -> str:
+    """``split``: each part by hand and merged (fewest FLOPs, most operations); ``masked``:
+    one fused call that also scores the other rows' own tokens (``masked_attention``).
+
+    On the CPU the split variant (OpenBLAS GEMMs, power-of-2 ``_exp``) is the one measured
+    to pay: 8 x 2,048 at 1.95x stock in process. On a GPU, by ``MASKED_MAX_SCORES``.
+    """
+    if VARIANT is not None:
+        return VARIANT
+    if mx.default_device() == mx.cpu:
+        return "split"
+    scores = query_heads * len(step.lengths) * step.masked_columns()
+    return "masked" if scores <= MASKED_MAX_SCORES else "split"
+
+
+def masked_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: SharedPrefixBatchCache,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """The step as one fused attention call: the rows' queries stacked as one sequence
+    over every group's prefix, every row's own tokens and the step's tokens, with a mask
+    giving each row its prefix, its own tokens and its token. One read of each prefix,
+    an exact softmax per row, sinks once; the cost is that every row also scores the
+    others' own tokens (masked), ``rows x rows x own`` products, which ``variant`` bounds.
+    """
+    step = cache.step
+    k_rows, v_rows = step.sources(cache.layer)
+    index, mask = step.masked_layout(keys.shape[1], cache.window)
+    # (1, H, tokens + B, D): the gathered columns, then the step's tokens in row order.
+    k = mx.concatenate([k_rows[index][None], keys.transpose(2, 1, 0, 3)], axis=2)
+    v = mx.concatenate([v_rows[index][None], values.transpose(2, 1, 0, 3)], axis=2)
+    out = mx.fast.scaled_dot_product_attention(
+        queries.transpose(2, 1, 0, 3), k, v, scale=scale, mask=mask, sinks=sinks
+    )
+    return out.transpose(2, 1, 0, 3)
+
+
 def shared_prefix_attention(
     queries: mx.array,
     keys: mx.array,
@@ -180,6 +246,8 @@ def shared_prefix_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of one decode step; ``keys``/``values`` are the step's own ``(B, H, 1, D)``."""
+    if variant(cache.step, queries.shape[1]) == "masked":
+        return masked_attention(queries, keys, values, cache, scale, sinks)
     step = cache.step
     shared = step.shared
     B, Hq, _, Dk = queries.shape

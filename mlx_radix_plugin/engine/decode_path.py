@@ -49,17 +49,17 @@ class SharedPrefixRule:
 
 # Measured with tools/decode_calibration.py (in process, median ms of a decode step, rows
 # sharing one cached prefix plus 32 own tokens each; stock mlx-lm's BatchGenerator against
-# the shared path), 2026-11-30:
-# - CPU (2 cores, OpenBLAS; SmolLM2-135M float32), shared/stock speed: 2x512 0.94, 4x512
-#   0.99, 8x256 0.90, 8x512 1.00, 4x1024 0.95 (all saving < 4k token reads a layer);
-#   4x2048 1.39 (6.1k), 16x1024 1.43 (15k), 8x2048 1.95 (14k).
-# - H200 (Llama-3-8B shape, bf16): 8x1024 0.46 (7k saved), 32x2048 0.90 (64k), 32x4096
-#   1.64 (128k); Llama-3.2-1B: 8x1024 0.47, 32x2048 0.7. On the GPU the shared path's ~30
-#   MLX operations a layer cost ~17 ms a step on 8B (~8 ms on 1B) whatever the sizes: only
-#   very large savings cover that until they are fused.
+# the shared path):
+# - CPU (2 cores, OpenBLAS; SmolLM2-135M float32), 2026-11-30, shared/stock speed: 2x512
+#   0.94, 4x512 0.99, 8x256 0.90, 8x512 1.00, 4x1024 0.95 (all saving < 4k token reads a
+#   layer); 4x2048 1.39 (6.1k), 16x1024 1.43 (15k), 8x2048 1.95 (14k).
+# - H200 (Llama-3-8B shape, bf16), 2026-11-30, with the variant engine/attention.py picks
+#   there: 8x1024 0.90-1.50 (7k saved; stock's own step varied 8.6-15.9 ms between runs),
+#   32x2048 1.53-1.58 (63k), 32x4096 2.33-2.66 (128k); with 288 own tokens a row, 32x2048
+#   1.37 (55k) and 32x4096 2.26. Below ~10k saved the GPU's fixed costs decide, not reads.
 RULES = {
     "cpu": SharedPrefixRule(min_saved_tokens=5120, min_saved_fraction=0.5),
-    "gpu": SharedPrefixRule(min_saved_tokens=98304, min_saved_fraction=0.5),
+    "gpu": SharedPrefixRule(min_saved_tokens=32768, min_saved_fraction=0.5),
 }
 
 

@@ -13,7 +13,9 @@ sequences and removal; its batch caches become pool-backed through
   request arriving while this one still runs hits them;
 - admission by pool room: a request whose prompt pages cannot be reserved waits in the
   queue until running requests give pages back; one that cannot fit even with nothing
-  running is served uncached from the batch buffer.
+  running is served uncached from the batch buffer;
+- the decode path (``decode_path.py``) and each response's log-probabilities on the host
+  (``_host_logprobs``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 from collections import deque
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import BatchGenerator
 
 from ..cache.batch import rows_of
@@ -56,6 +59,7 @@ class RadixBatchGenerator(BatchGenerator):
                 "scaled_dot_product_attention or its layers' caches"
             )
             shared_prefix = "off"
+        self._host_stream = mx.new_stream(mx.default_device())
         backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
         self.decode_path = DecodePath(shared_prefix, RULES[backend], calls or 0)
         self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
@@ -168,12 +172,33 @@ class RadixBatchGenerator(BatchGenerator):
         self._unprocessed_sequences = deque(ready + waiting)
         return super()._make_batch(len(ready))
 
+    def _host_logprobs(self, responses) -> None:
+        """Hand each generated token's log-probabilities over as a host (NumPy) float32 row.
+
+        mlx_lm.server reads ``r.logprobs[r.token].item()`` for every row of every step. On
+        an MLX array that indexing is a new operation on the generation stream, queued
+        behind the next step's forward pass, which mlx-lm has already started: the
+        server's per-row work then waits for that pass instead of overlapping it, so a
+        step costs the forward pass plus all the server's Python. These rows are already
+        evaluated; copied on a stream of their own they wait for nothing else. Same values
+        (bfloat16 and float16 widen to float32 exactly), and what the server does with
+        them (the token's value, the top-n) works the same on a NumPy row.
+        """
+        if not responses:
+            return
+        with mx.stream(self._host_stream):
+            rows = mx.stack([r.logprobs for r in responses]).astype(mx.float32)
+        mx.eval(rows)
+        for r, row in zip(responses, np.asarray(rows)):
+            r.logprobs = row
+
     def _next(self):
         # Requests that finish in this call give their pages back when the server
         # commits them, right after it: until then they still count as running.
         self._ran = bool(len(self._prompt_batch) or len(self._generation_batch))
         self.decode_path.count_step(self._generation_batch)
         responses = super()._next()
+        self._host_logprobs(responses[1])
         # mlx-lm evaluates what the next tokens need, not our page writes: they are
         # scheduled here, behind the step that made them, without waiting for it.
         # Left pending, they pile up until something reads the pool and then run inside

@@ -3,11 +3,13 @@
 For each point ``ROWSxPREFIX`` of the grid, ``ROWS`` requests share one cached
 ``PREFIX``-token prefix and have their own question; once all decode together, the median
 time of a decode step is taken for mlx-lm's ``BatchGenerator`` (stock), the engine with
-``decode.shared_prefix = "off"`` (exact) and ``"on"`` (shared). What ``auto`` would choose
-there is printed beside: these runs are where ``engine/decode_path.py``'s rule comes from.
+``decode.shared_prefix = "off"`` (exact) and ``"on"`` (shared; ``split`` and ``masked`` force
+one of the two ways ``engine/attention.py`` computes it). What ``auto`` would choose there
+is printed beside: these runs are where ``engine/decode_path.py``'s rule comes from.
 
     python -m mlx_radix_plugin.tools.decode_calibration --model PATH --grid 8x2048,4x512
-    python -m mlx_radix_plugin.tools.decode_calibration --shape llama-3-8b --dtype bfloat16
+    python -m mlx_radix_plugin.tools.decode_calibration --shape llama-3-8b --dtype bfloat16 \
+        --modes stock,off,split,masked
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 KEY = ("calibration", None, None)
+MODES = ("stock", "off", "on", "split", "masked")
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -37,6 +40,16 @@ def parse_grid(text: str) -> list[tuple[int, int]]:
     return points
 
 
+def parse_modes(text: str) -> tuple[str, ...]:
+    """``stock,off,...``: stock first, each of ``MODES`` at most once."""
+    modes = tuple(text.split(","))
+    if modes[0] != "stock" or len(set(modes)) != len(modes) or not set(modes) <= set(MODES):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected stock, then any of {', '.join(MODES[1:])}, comma-separated"
+        )
+    return modes
+
+
 def step_times(model, prompts, mode: str, steps: int, page_size: int) -> tuple[float, str]:
     """Median ms of a decode step of ``prompts`` together, after warm-up steps; and the path
     the engine's batch took (``stock`` for mlx-lm's own generator)."""
@@ -44,6 +57,7 @@ def step_times(model, prompts, mode: str, steps: int, page_size: int) -> tuple[f
     from mlx_lm.generate import BatchGenerator
 
     from ..cache.prompt_cache import RadixPromptCache
+    from ..engine import attention
     from ..engine.generator import RadixBatchGenerator
     from ..memory.pool import KVPool
 
@@ -52,13 +66,15 @@ def step_times(model, prompts, mode: str, steps: int, page_size: int) -> tuple[f
     # Rows admitted in later prefill batches join a few steps after the first: enough
     # tokens that all decode together for ``steps`` steps and more.
     max_tokens = 3 * steps + 64
+    attention.VARIANT = mode if mode in ("split", "masked") else None
     if mode == "stock":
         gen = BatchGenerator(model, **sizes)
         gen.insert(prompts, max_tokens=[max_tokens] * n)
     else:
         tokens = sum(map(len, prompts)) + n * (steps + 16) + 4 * page_size
         rpc = RadixPromptCache(KVPool.for_model(model, page_size=page_size, pool_tokens=tokens))
-        gen = RadixBatchGenerator(model, rpc, shared_prefix=mode, **sizes)
+        path = "off" if mode == "off" else "on"
+        gen = RadixBatchGenerator(model, rpc, shared_prefix=path, **sizes)
         fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
         gen.insert_segments(
             [[rest] for _, rest in fetched],
@@ -79,11 +95,14 @@ def step_times(model, prompts, mode: str, steps: int, page_size: int) -> tuple[f
             times.append(elapsed)
     path = "stock" if mode == "stock" else gen.decode_stats["decode_path"]
     gen.close()
+    attention.VARIANT = None
     mx.clear_cache()
     return 1000 * statistics.median(times[4:]), path
 
 
-def calibrate(model_dir: Path, grid, *, question: int, steps: int, page_size: int) -> list[dict]:
+def calibrate(
+    model_dir: Path, grid, *, question: int, steps: int, page_size: int, modes=("stock", "off", "on")
+) -> list[dict]:
     import mlx.core as mx
     from mlx_lm import load
 
@@ -107,7 +126,7 @@ def calibrate(model_dir: Path, grid, *, question: int, steps: int, page_size: in
             "prefix": prefix_tokens,
             "auto": "shared" if rule.takes_shared([group], lengths, page_size) else "exact",
         }
-        for mode in ("stock", "off", "on"):
+        for mode in modes:
             try:
                 ms, path = step_times(model, prompts, mode, steps, page_size)
             except RuntimeError as e:  # out of device memory: the other modes still run
@@ -116,9 +135,9 @@ def calibrate(model_dir: Path, grid, *, question: int, steps: int, page_size: in
                 continue
             row[f"{mode}_ms"] = round(ms, 2)
             row[f"{mode}_path"] = path
-        for mode, key in (("on", "shared_speedup"), ("off", "exact_speedup")):
+        for mode in modes[1:]:
             if "stock_ms" in row and f"{mode}_ms" in row:
-                row[key] = round(row["stock_ms"] / row[f"{mode}_ms"], 3)
+                row[f"{mode}_speedup"] = round(row["stock_ms"] / row[f"{mode}_ms"], 3)
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -140,12 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--question", type=int, default=32, help="own tokens of each request")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per point")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--modes",
+        type=parse_modes,
+        default=parse_modes("stock,off,on"),
+        help=f"what to time, in order, stock first: {','.join(MODES)}",
+    )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="decode-calibration-") as tmp:
         model_dir = Path(args.model) if args.model else build(args.shape, Path(tmp), args.dtype)
         rows = calibrate(
-            model_dir, args.grid, question=args.question, steps=args.steps, page_size=args.page_size
+            model_dir,
+            args.grid,
+            question=args.question,
+            steps=args.steps,
+            page_size=args.page_size,
+            modes=args.modes,
         )
     report = {"device": str(mx.default_device()), "model": args.model or args.shape, "rows": rows}
     if args.json:

@@ -3,7 +3,8 @@
 For each shape a random-weight model is built on the spot (bf16 by default, no
 download) and both servers are started on it. Measured, same requests to both:
 decode tokens/s at 1, 8 and 32 concurrent requests; time to first token on a cached
-4,096-token shared prefix; a burst of 32 requests on one new 2,048-token prefix.
+4,096-token shared prefix; a burst of 32 requests on one new 2,048-token prefix; and,
+with each server alone on the device, decode of many requests on one cached prefix.
 Decode at one request is set against the memory-bandwidth floor: the bytes one step
 reads (weights + K/V) over the copy bandwidth measured on the same device.
 
@@ -38,6 +39,7 @@ from .decode_calibration import parse_grid
 
 DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
 SERVERS = ("stock", "radix")
+WORKLOADS = ("decode", "decode-shared", "cached-prefix", "burst")
 
 
 def progress(message: str) -> None:
@@ -257,63 +259,60 @@ class _StatsPoller(threading.Thread):
         }
 
 
-def measure_decode_shared(servers: dict, args, rows: int, prefix: int, rng_seed: int) -> dict:
+def _shared_round(server: ServerProcess, name: str, args, rows: int, prefix: int, seed: int):
+    """One round of decode-shared on ``server``: (decode tokens/s, texts, what stats saw)."""
+    rng = Requests(seed, args.vocab)
+    shared = [rng.randrange(2, rng.vocab) for _ in range(prefix)]
+    warm = _prompt(rng, args.question, shared)
+    prompts = [_prompt(rng, args.question, shared) for _ in range(rows)]
+    stream_all(server, [warm], 2)  # the prefix is cached before the round
+    poller = _StatsPoller(server) if name == "radix" else None
+    if poller:
+        before = server.stats()
+        poller.start()
+    start = time.perf_counter()
+    _, results = stream_all(server, prompts, args.shared_max_tokens)
+    extra = {}
+    if poller:
+        extra = poller.stop()
+        extra["shared_steps"] = server.stats()["decode_steps_shared"] - before["decode_steps_shared"]
+    first = min(start + r["ttft"] for r in results)
+    last = max(start + r["ttft"] + r["seconds"] for r in results)
+    generated = sum(r["usage"]["completion_tokens"] - 1 for r in results)
+    return generated / (last - first), [r["text"] for r in results], extra
+
+
+def measure_decode_shared(model_dir: Path, work: Path, args, rows: int, prefix: int, seed: int):
     """``rows`` concurrent requests on one cached ``prefix``-token prefix, each with its own
     question, ``args.shared_max_tokens`` out: decode tokens/s, from the first token of the
-    round to its last (admission is not counted), ``args.rounds`` rounds, turns alternating.
-    A server that fails (stock runs out of GPU memory at 32 x 4,096 on 141 GB) is reported
-    as failed; the other's numbers stand."""
-    rates: dict[str, list[float]] = {name: [] for name in servers}
-    texts: dict[str, list[str]] = {name: [] for name in servers}
-    extra: dict[str, dict] = {name: {} for name in servers}
-    failed: dict[str, str] = {}
-    for round_ in range(args.rounds):
-        order = list(servers) if round_ % 2 == 0 else list(servers)[::-1]
-        for name in order:
-            if name in failed:
-                continue
-            rng = Requests(rng_seed, args.vocab)
-            shared = [rng.randrange(2, rng.vocab) for _ in range(prefix)]
-            warm = _prompt(rng, args.question, shared)
-            prompts = [_prompt(rng, args.question, shared) for _ in range(rows)]
-            try:
-                stream_all(servers[name], [warm], 2)  # the prefix is cached before the round
-                poller = _StatsPoller(servers[name]) if name == "radix" else None
-                if poller:
-                    before = servers[name].stats()
-                    poller.start()
-                start = time.perf_counter()
-                _, results = stream_all(servers[name], prompts, args.shared_max_tokens)
-                if poller:
-                    extra[name] = poller.stop()
-                    after = servers[name].stats()
-                    extra[name]["shared_steps"] = (
-                        after["decode_steps_shared"] - before["decode_steps_shared"]
-                    )
-            except Exception as e:  # noqa: BLE001 - the server's failure is the result
-                failed[name] = f"{type(e).__name__}: {e}"[:300]
-                continue
-            first = min(start + r["ttft"] for r in results)
-            last = max(start + r["ttft"] + r["seconds"] for r in results)
-            generated = sum(r["usage"]["completion_tokens"] - 1 for r in results)
-            rates[name].append(generated / (last - first))
-            texts[name] += [r["text"] for r in results]
+    round to its last (admission is not counted), ``args.rounds`` rounds. Each server is
+    started alone on the device for this point, stock first: at 32 x 4,096 on Llama-3-8B the
+    K/V copies of two servers side by side do not fit 141 GB. A server that fails is
+    reported as failed; the other's numbers stand."""
     out: dict = {"rows": rows, "prefix": prefix, "max_tokens": args.shared_max_tokens}
-    for name in servers:
+    rates: dict[str, list[float]] = {}
+    texts: dict[str, list[str]] = {}
+    for name in SERVERS:
+        rates[name], texts[name], extra = [], [], {}
+        try:
+            with started(name, model_dir, work, args.pool_tokens, args.shared_prefix) as server:
+                for _ in range(args.rounds):
+                    rate, round_texts, extra = _shared_round(server, name, args, rows, prefix, seed)
+                    rates[name].append(rate)
+                    texts[name] += round_texts
+        except Exception as e:  # noqa: BLE001 - the server's failure is the result
+            extra["failed"] = f"{type(e).__name__}: {e}"[:300]
         out[name] = {
             "decode_tokens_per_s": round(statistics.median(rates[name]), 1)
             if rates[name]
             else None,
             "by_round": [round(r, 1) for r in rates[name]],
-            **extra[name],
+            **extra,
         }
-        if name in failed:
-            out[name]["failed"] = failed[name]
     if rates["stock"] and rates["radix"]:
-        ratios = [r / s for r, s in zip(rates["radix"], rates["stock"])]
-        out["ratio"] = round(statistics.median(ratios), 3)
+        out["ratio"] = round(statistics.median(rates["radix"]) / statistics.median(rates["stock"]), 3)
         out["greedy_match"] = sum(a == b for a, b in zip(texts["stock"], texts["radix"]))
-        out["requests"] = len(texts["radix"])
+        out["requests"] = min(len(texts["stock"]), len(texts["radix"]))
     return out
 
 
@@ -357,32 +356,38 @@ def measure_burst(servers: dict, args, rng_seed: int) -> dict:
 
 
 @contextlib.contextmanager
-def side_by_side(model_dir: Path, work: Path, pool_tokens: int, shared_prefix: str = "auto"):
-    """Both servers up on ``model_dir``, each warmed up; yields {name: ServerProcess}."""
+def started(name: str, model_dir: Path, work: Path, pool_tokens: int, shared_prefix: str):
+    """Server ``name`` (stock or radix) up on ``model_dir`` and warmed up."""
     (work / "hf").mkdir(exist_ok=True)
-    commands = {
+    command = {
         "stock": [sys.executable, "-m", "mlx_lm", "server"],
         "radix": [sys.executable, "-m", "mlx_radix_plugin.tools.gpu_bench", "serve-radix"],
-    }
-    envs = {
+    }[name]
+    extra_env = {
         "stock": {},
         "radix": {
             "MLX_RADIX_POOL_TOKENS": str(pool_tokens),
             "MLX_RADIX_DECODE_SHARED_PREFIX": shared_prefix,
         },
-    }
+    }[name]
+    port = free_port()
+    cmd = [*command, "--model", str(model_dir), "--port", str(port)]
+    env = server_env(work / "hf", extra_env)
+    with ServerProcess(cmd, env, port, work / f"{name}.log") as server:
+        # Kernels are built at first use: a batched prefill and a batched decode.
+        rng = Requests(-1, 500)
+        stream_all(server, [_prompt(rng, 300) for _ in range(8)], 8)
+        yield server
+
+
+@contextlib.contextmanager
+def side_by_side(model_dir: Path, work: Path, pool_tokens: int, shared_prefix: str = "auto"):
+    """Both servers up on ``model_dir``, each warmed up; yields {name: ServerProcess}."""
     with contextlib.ExitStack() as stack:
-        servers = {}
-        for name in SERVERS:
-            port = free_port()
-            cmd = [*commands[name], "--model", str(model_dir), "--port", str(port)]
-            env = server_env(work / "hf", envs[name])
-            log = work / f"{name}.log"
-            servers[name] = stack.enter_context(ServerProcess(cmd, env, port, log))
-            # Kernels are built at first use: a batched prefill and a batched decode.
-            rng = Requests(-1, 500)
-            stream_all(servers[name], [_prompt(rng, 300) for _ in range(8)], 8)
-        yield servers
+        yield {
+            name: stack.enter_context(started(name, model_dir, work, pool_tokens, shared_prefix))
+            for name in SERVERS
+        }
 
 
 def bench_shape(shape: str, args, work: Path) -> dict:
@@ -401,30 +406,26 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     report["in_process_ms_per_token"] = round(
         in_process_ms_per_token(model_dir, args.decode_prompt, args.max_tokens), 3
     )
-    progress(f"{shape}: built in {report['build_s']} s; starting both servers")
-    with side_by_side(model_dir, work, args.pool_tokens, args.shared_prefix) as servers:
-        try:
-            report["decode"] = {}
-            for b in args.concurrency:
-                progress(f"{shape}: decode at {b} concurrent")
-                report["decode"][str(b)] = measure_decode(servers, args, b, args.seed + 100 * b)
-            report["decode_shared"] = {}
-            for rows, prefix in args.decode_shared:
-                progress(f"{shape}: decode of {rows} requests on a cached {prefix}-token prefix")
-                report["decode_shared"][f"{rows}x{prefix}"] = measure_decode_shared(
-                    servers, args, rows, prefix, args.seed + 13 + rows + prefix
-                )
-            progress(f"{shape}: TTFT on a cached prefix")
-            report["cached_prefix"] = measure_cached_prefix(servers, args, args.seed + 7)
-            progress(f"{shape}: burst")
-            report["burst"] = measure_burst(servers, args, args.seed + 11)
-            report["radix_stats"] = servers["radix"].stats()
-        except Exception as e:  # what was measured before still goes into the report
-            traceback.print_exc()
-            for name, server in servers.items():
-                print(f"--- {name} server log (tail) ---\n{server.output()[-4000:]}")
-            report["error"] = f"{type(e).__name__}: {e}"[:300]
-    if "1" in report["decode"]:
+    side = [w for w in args.workload if w != "decode-shared"]
+    if side:
+        progress(f"{shape}: built in {report['build_s']} s; starting both servers")
+        with side_by_side(model_dir, work, args.pool_tokens, args.shared_prefix) as servers:
+            try:
+                _side_by_side_workloads(shape, servers, args, report)
+            except Exception as e:  # what was measured before still goes into the report
+                traceback.print_exc()
+                for name, server in servers.items():
+                    print(f"--- {name} server log (tail) ---\n{server.output()[-4000:]}")
+                report["error"] = f"{type(e).__name__}: {e}"[:300]
+    if "decode-shared" in args.workload:
+        report["decode_shared"] = {}
+        for rows, prefix in args.decode_shared:
+            progress(f"{shape}: decode of {rows} requests on a cached {prefix}-token prefix")
+            report["decode_shared"][f"{rows}x{prefix}"] = point = measure_decode_shared(
+                model_dir, work, args, rows, prefix, args.seed + 13 + rows + prefix
+            )
+            progress(f"{shape}: {json.dumps(point)}")
+    if "1" in report.get("decode", {}):
         # Mean context of the measured steps: the prompt plus half the output.
         step = decode_step_bytes(model_dir, args.decode_prompt + args.max_tokens // 2)
         floor_ms = 1000 * (step["weights"] + step["kv"]) / args.bandwidth
@@ -440,6 +441,21 @@ def bench_shape(shape: str, args, work: Path) -> dict:
             "in_process_over_floor": round(report["in_process_ms_per_token"] / floor_ms, 2),
         }
     return report
+
+
+def _side_by_side_workloads(shape: str, servers: dict, args, report: dict) -> None:
+    if "decode" in args.workload:
+        report["decode"] = {}
+        for b in args.concurrency:
+            progress(f"{shape}: decode at {b} concurrent")
+            report["decode"][str(b)] = measure_decode(servers, args, b, args.seed + 100 * b)
+    if "cached-prefix" in args.workload:
+        progress(f"{shape}: TTFT on a cached prefix")
+        report["cached_prefix"] = measure_cached_prefix(servers, args, args.seed + 7)
+    if "burst" in args.workload:
+        progress(f"{shape}: burst")
+        report["burst"] = measure_burst(servers, args, args.seed + 11)
+    report["radix_stats"] = servers["radix"].stats()
 
 
 def _ms(seconds: float) -> str:
@@ -522,6 +538,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"model shape, repeatable (default: {', '.join(DEFAULT_SHAPES)})",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--workload",
+        action="append",
+        choices=WORKLOADS,
+        help=f"repeatable (default: all of {', '.join(WORKLOADS)})",
+    )
     p.add_argument("--concurrency", type=_positive_ints, default=[1, 8, 32])
     p.add_argument("--max-tokens", type=int, default=128, help="decode: tokens per request")
     p.add_argument("--decode-prompt", type=int, default=32, help="decode: prompt tokens")
@@ -550,6 +572,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
     args.shape = args.shape or list(DEFAULT_SHAPES)
+    args.workload = args.workload or list(WORKLOADS)
     return args
 
 
