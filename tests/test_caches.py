@@ -8,6 +8,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from mlx_radix_plugin import KVPool, LayerSpec, OffsetCache, PageTable
 from mlx_radix_plugin.cache.pool_backed import PoolBackedCache
+from mlx_radix_plugin.memory.allocator import OutOfPages
 
 H, D, PS, WINDOW = 2, 8, 4, 6
 
@@ -166,6 +167,28 @@ def test_page_table_release_and_finalizer_return_pages():
     assert pool.allocator.num_free == 5  # deferred to the owner's thread...
     pool.run_deferred()
     assert pool.allocator.num_free == 8  # ...and returned there
+
+
+@pytest.mark.parametrize("start", [PS + 1, PS])  # mid-page (copy on write), page boundary
+def test_a_write_the_pool_cannot_serve_changes_nothing(start):
+    """Out of pages while copying a shared page or adding pages: the table and every page
+    reference stay as they were, and releasing it returns the pool to empty."""
+    pool = make_pool(num_pages=6)
+    shared = pool.alloc_pages(3)  # a cached 3-page prefix, held by the "tree"
+    table = PageTable(pool, pages=shared, shared_tokens=3 * PS)
+    pool.allocator.incref(shared)  # the table's own references
+    others = pool.alloc_pages(pool.allocator.num_free)  # someone holds every other page
+    refs = [pool.allocator.refcount(p) for p in shared]
+    with pytest.raises(OutOfPages):
+        table.prepare_write(start, 6 * PS)
+    assert table.pages == shared and table.shared_tokens == 3 * PS
+    assert [pool.allocator.refcount(p) for p in shared] == refs == [2, 2, 2]
+    pool.release_pages(others)
+    table.prepare_write(start, 4 * PS)  # now it fits
+    assert table.pages[:1] == shared[:1] and table.shared_tokens == start // PS * PS
+    table.release()
+    pool.release_pages(shared)
+    assert pool.allocator.num_free == 6
 
 
 # -- OffsetCache ---------------------------------------------------------------------

@@ -115,25 +115,31 @@ class PageTable:
         return view
 
     def prepare_write(self, start: int, end: int) -> None:
-        """Make tokens ``[start, end)`` writable: copy a shared page, add pages."""
+        """Make tokens ``[start, end)`` writable: copy a shared page, add pages.
+
+        All or nothing: every page it needs is allocated before the table changes, so an
+        ``OutOfPages`` leaves the table, and every page reference, as they were.
+        """
         if self.released:
             raise RuntimeError("write to a page table that was already released")
         ps = self.pool.page_size
-        if start < self.shared_tokens:
-            keep, partial = divmod(start, ps)
+        keep, partial = divmod(start, ps)
+        rewrite = start < self.shared_tokens  # below the shared part: copy on write
+        held = keep + bool(partial) if rewrite else len(self.pages)
+        need = max(0, -(-end // ps) - held) + (rewrite and bool(partial))
+        fresh = self.pool.alloc_pages(need) if need else []
+        if rewrite:
             dropped = self.pages[keep:]
             del self.pages[keep:]
             if partial:
-                (page,) = self.pool.alloc_pages(1)
+                page = fresh.pop(0)
                 src = dropped[0] * ps + mx.arange(partial, dtype=mx.int32)
                 self.pool.copy(src, page * ps + mx.arange(partial, dtype=mx.int32))
                 self.pages.append(page)
             self.pool.release_pages(dropped)
             self.shared_tokens = keep * ps
-            self._changed()
-        need = -(-end // ps) - len(self.pages)
-        if need > 0:
-            self.pages.extend(self.pool.alloc_pages(need))
+        if rewrite or fresh:
+            self.pages.extend(fresh)
             self._changed()
 
     def __deepcopy__(self, memo) -> PageTable:
