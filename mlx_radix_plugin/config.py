@@ -76,6 +76,14 @@ SETTINGS: tuple[Setting, ...] = (
         maximum=1.0,
         exclusive_minimum=True,
     ),
+    Setting(
+        "radix.buffer_cache_fraction",
+        0.25,
+        "share of the memory left after the model and the pool that MLX may keep as freed "
+        "buffers for reuse; 0 leaves MLX's own limit",
+        minimum=0.0,
+        maximum=1.0,
+    ),
     Setting("radix.eviction", "lru", "which cached prefixes go first", choices=("lru", "lfu")),
     Setting("decode.batched", True, "decode concurrent requests in one batch"),
     Setting("decode.max_batch_size", 32, "most requests decoded together", minimum=1, maximum=4096),

@@ -33,7 +33,7 @@ def test_config_init_show_validate(run, tmp_path):
     assert run("config", "init", str(path)).exit_code == 2  # refuses to overwrite
     assert run("config", "init", str(path), "--force").exit_code == 0
     result = run("config", "validate", str(path))
-    assert result.exit_code == 0 and "ok (10 of 10 keys set)" in result.output
+    assert result.exit_code == 0 and "ok (11 of 11 keys set)" in result.output
     path.write_text("[radix]\npage_size = 8\n")
     shown = json.loads(run("config", "show", "--config", str(path), "--json").output)
     assert shown["radix.page_size"] == {"value": 8, "source": f"file {path}"}

@@ -50,6 +50,12 @@ METRICS = {
         "gauge",
         "K/V bytes the running batches hold outside the pool (copies of cached prefixes).",
     ),
+    "mlx_active_bytes": ("mlx_radix_mlx_active_bytes", "gauge", "Bytes of MLX's live arrays."),
+    "mlx_cache_bytes": (
+        "mlx_radix_mlx_cache_bytes",
+        "gauge",
+        "Bytes MLX keeps as freed buffers for reuse.",
+    ),
     "decode_steps_shared": (
         "mlx_radix_decode_steps_shared_total",
         "counter",

@@ -20,7 +20,8 @@ from mlx_lm.models.cache import LRUPromptCache
 from ..cache.prompt_cache import RadixPromptCache, idle_stats
 from ..config import Config
 from ..memory.allocator import OutOfPages
-from ..memory.pool import KVPool, UnsupportedModel
+from ..memory.budget import buffer_cache_limit, device_memory
+from ..memory.pool import KVPool, UnsupportedModel, model_nbytes
 
 log = logging.getLogger("mlx_radix")
 
@@ -35,6 +36,7 @@ class ServerPromptCache:
         self.stock: LRUPromptCache | None = None
         self.model_key: Hashable | None = None
         self.fallback: str | None = NOT_LOADED
+        self.buffer_cache_limit: int | None = None  # set on MLX at bind; None: MLX's own
 
     def _fallback_reason(self, draft_model, cli_args) -> str | None:
         if getattr(cli_args, "kv_bits", None) is not None:
@@ -74,6 +76,18 @@ class ServerPromptCache:
         if reason is not None:
             log.warning("radix cache off for %s, stock prompt cache instead: %s", model_key, reason)
             self.stock = LRUPromptCache(*self._stock_args)
+        self._limit_buffer_cache(model)
+
+    def _limit_buffer_cache(self, model) -> None:
+        """Bound MLX's cache of freed buffers by what the model and the pool leave."""
+        fraction = self.config["radix.buffer_cache_fraction"]
+        if not fraction:
+            return
+        pool_bytes = self.radix.pool.nbytes if self.radix is not None else 0
+        limit = buffer_cache_limit(fraction, device_memory(), model_nbytes(model), pool_bytes)
+        mx.set_cache_limit(limit)
+        self.buffer_cache_limit = limit
+        log.info("MLX buffer cache limit: %.1f MiB", limit / 2**20)
 
     @property
     def active(self) -> Any:
@@ -114,4 +128,10 @@ class ServerPromptCache:
             stats["cached_sequences"] = len(self.stock) if self.stock is not None else 0
         stats["fallback"] = self.fallback
         stats["model"] = list(self.model_key) if self.model_key is not None else None
+        # What MLX holds besides: live arrays (the model, the pool, working memory) and its
+        # cache of freed buffers, which counts against the device as much as live ones.
+        stats["mlx_active_bytes"] = mx.get_active_memory()
+        stats["mlx_cache_bytes"] = mx.get_cache_memory()
+        stats["mlx_peak_bytes"] = mx.get_peak_memory()
+        stats["mlx_cache_limit_bytes"] = self.buffer_cache_limit
         return stats

@@ -1,0 +1,83 @@
+"""MLX's cache of freed buffers is bounded by what the model and the pool leave."""
+
+import mlx.core as mx
+import pytest
+
+from mlx_radix_plugin.config import load_config
+from mlx_radix_plugin.memory.budget import (
+    MIN_BUFFER_CACHE_BYTES,
+    DeviceMemory,
+    buffer_cache_limit,
+    device_memory,
+)
+from mlx_radix_plugin.memory.pool import model_nbytes
+from mlx_radix_plugin.server.metrics import render
+from mlx_radix_plugin.server.server_cache import ServerPromptCache
+
+GiB = 2**30
+
+
+def test_the_limit_is_a_share_of_what_the_model_and_the_pool_leave():
+    memory = DeviceMemory("cuda", 141 * GiB, "test")
+    assert buffer_cache_limit(0.25, memory, 16 * GiB, 40 * GiB) == 85 * GiB // 4
+    # A device the model and pool fill still reuses a step's buffers.
+    assert buffer_cache_limit(0.25, memory, 100 * GiB, 41 * GiB) == MIN_BUFFER_CACHE_BYTES
+    with pytest.raises(ValueError, match="buffer_cache_fraction must be in \\(0, 1\\], got 0"):
+        buffer_cache_limit(0, memory, 0, 0)
+
+
+@pytest.fixture
+def cache_limit():
+    """Reads MLX's current cache limit (set_cache_limit returns the previous one); restores it."""
+    before = mx.set_cache_limit(0)
+    mx.set_cache_limit(before)
+
+    def current() -> int:
+        limit = mx.set_cache_limit(0)
+        mx.set_cache_limit(limit)
+        return limit
+
+    yield current
+    mx.set_cache_limit(before)
+
+
+def make(fraction: str) -> ServerPromptCache:
+    env = {"MLX_RADIX_POOL_TOKENS": "4096", "MLX_RADIX_BUFFER_CACHE_FRACTION": fraction}
+    return ServerPromptCache(load_config(environ=env))
+
+
+@pytest.fixture(autouse=True)
+def no_user_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+
+
+def test_binding_a_model_sets_the_limit_and_stats_report_it(loaded, cache_limit):
+    model, _ = loaded("llama")
+    server_cache = make("0.5")
+    server_cache.bind(model, ("m", None, None))
+    expected_pool = server_cache.radix.pool.nbytes
+    limit = cache_limit()
+    assert server_cache.buffer_cache_limit == limit
+    # The same rule on this machine's memory, read again here: within what the test moved.
+    left = device_memory().usable_bytes - model_nbytes(model) - expected_pool
+    assert abs(limit - left // 2) <= 0.05 * left
+    stats = server_cache.stats()
+    assert stats["mlx_cache_limit_bytes"] == limit
+    assert stats["mlx_active_bytes"] >= expected_pool and stats["mlx_cache_bytes"] >= 0
+    text = render({**stats, **_decode_idle()}, {})
+    assert f"mlx_radix_mlx_cache_bytes {stats['mlx_cache_bytes']}" in text
+
+
+def test_a_fraction_of_0_leaves_mlx_its_own_limit(loaded, cache_limit):
+    model, _ = loaded("llama")
+    before = cache_limit()
+    server_cache = make("0")
+    server_cache.bind(model, ("m", None, None))
+    assert cache_limit() == before
+    assert server_cache.stats()["mlx_cache_limit_bytes"] is None
+
+
+def _decode_idle() -> dict:
+    from mlx_radix_plugin.engine.decode_path import idle_stats
+
+    return idle_stats("auto")
