@@ -81,3 +81,14 @@ def _decode_idle() -> dict:
     from mlx_radix_plugin.engine.decode_path import idle_stats
 
     return idle_stats("auto")
+
+
+def test_metrics_render_with_the_radix_path_disabled():
+    from mlx_radix_plugin.server.plugin import RadixPlugin
+
+    plugin = RadixPlugin()
+    plugin.config = load_config(environ={"MLX_RADIX_ENABLED": "false"})
+    stats = plugin.stats()
+    assert stats["fallback"] == "radix.enabled is false"
+    assert stats["mlx_cache_limit_bytes"] is None and stats["mlx_active_bytes"] >= 0
+    assert "mlx_radix_mlx_active_bytes " in plugin.metrics_route(None).body

@@ -18,7 +18,7 @@ from ..config import Config, ConfigError, load_config
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
 from . import metrics
-from .server_cache import ServerPromptCache
+from .server_cache import ServerPromptCache, mlx_memory_stats
 
 MLX_LM_VERSION = "0.32.2"
 log = logging.getLogger("mlx_radix")
@@ -150,6 +150,7 @@ class RadixPlugin:
         else:
             stats = idle_stats(self.config["radix.page_size"], "radix.enabled is false")
             stats["model"] = None
+            stats.update(mlx_memory_stats(None))
         engine = self.engine()
         radix = self.cache.radix if self.cache is not None else None
         if engine is not None and radix is not None and engine.radix is radix:

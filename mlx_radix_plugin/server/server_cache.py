@@ -128,10 +128,17 @@ class ServerPromptCache:
             stats["cached_sequences"] = len(self.stock) if self.stock is not None else 0
         stats["fallback"] = self.fallback
         stats["model"] = list(self.model_key) if self.model_key is not None else None
-        # What MLX holds besides: live arrays (the model, the pool, working memory) and its
-        # cache of freed buffers, which counts against the device as much as live ones.
-        stats["mlx_active_bytes"] = mx.get_active_memory()
-        stats["mlx_cache_bytes"] = mx.get_cache_memory()
-        stats["mlx_peak_bytes"] = mx.get_peak_memory()
-        stats["mlx_cache_limit_bytes"] = self.buffer_cache_limit
+        stats.update(mlx_memory_stats(self.buffer_cache_limit))
         return stats
+
+
+def mlx_memory_stats(cache_limit: int | None) -> dict:
+    """What MLX holds: live arrays (the model, the pool, working memory) and its cache of
+    freed buffers, which takes device memory as much as live ones; ``cache_limit`` is the
+    limit the server set (None: MLX's own)."""
+    return {
+        "mlx_active_bytes": mx.get_active_memory(),
+        "mlx_cache_bytes": mx.get_cache_memory(),
+        "mlx_peak_bytes": mx.get_peak_memory(),
+        "mlx_cache_limit_bytes": cache_limit,
+    }
