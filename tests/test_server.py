@@ -47,7 +47,21 @@ def conversation(server: Server) -> list[dict]:
     out.append({"text": text, "usage": None})
     events = server.stream("/v1/completions", {"prompt": SYSTEM + "Where is Rome?", **GREEDY})
     out.append({"text": "".join(e["choices"][0]["text"] for e in events), "usage": None})
+    asked = {"prompt": SYSTEM + "Where is Oslo?", "logprobs": True, "top_logprobs": 3, **GREEDY}
+    r = server.post("/v1/completions", asked)
+    out.append({"text": r["choices"][0]["text"], "usage": None, "logprobs": r["choices"][0]})
     return out
+
+
+def same_but_rounding(a, b, tolerance=1e-4) -> bool:
+    """Equal JSON, floats to ``tolerance`` (the pool's prefill splits the prompt elsewhere)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= tolerance * max(1.0, abs(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_but_rounding(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(same_but_rounding, a, b))
+    return a == b
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -73,6 +87,9 @@ def test_radix_server_answers_like_stock_and_reports_hits(start):
         metrics = parse_metrics(radix.get("/metrics")[1])
     assert [g["text"] for g in got] == [e["text"] for e in expected]
     assert all(len(g["text"]) > 0 for g in got)
+    # Log-probabilities and the top 3 of each token, as stock reports them.
+    assert expected[-1]["logprobs"]["logprobs"]
+    assert same_but_rounding(got[-1]["logprobs"], expected[-1]["logprobs"])
     first, second = got[0]["usage"], got[1]["usage"]
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     # The second prompt shares the system prompt with the first.
@@ -80,11 +97,11 @@ def test_radix_server_answers_like_stock_and_reports_hits(start):
     assert after["fallback"] is None and after["pages_total"] == 4096 // 4
     assert after["hits"] >= 3 and after["cached_tokens"] > before["cached_tokens"]
     assert after["pool_bytes_used"] > 0 and after["pages_free"] < after["pages_total"]
-    assert after["requests"] == {"length": 5}
+    assert after["requests"] == {"length": 6}
     assert metrics["mlx_radix_cached_tokens_total"] == after["cached_tokens"]
     assert metrics["mlx_radix_prompt_cache_hits_total"] == after["hits"]
     assert metrics['mlx_radix_fallback{reason=""}'] == 0
-    assert metrics['mlx_radix_requests_total{finish_reason="length"}'] == 5
+    assert metrics['mlx_radix_requests_total{finish_reason="length"}'] == 6
 
 
 INVOCATIONS = {

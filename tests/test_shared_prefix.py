@@ -443,12 +443,14 @@ def test_masked_columns_are_whole_buckets_of_prefixes_and_own_tokens(loaded, mon
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
-def test_responses_carry_stock_logprobs_on_the_host(loaded, mode):
-    """Each response's log-probabilities are a host float32 row (mlx_lm.server indexes
-    them every step: on an MLX array that waits for the next step's pass), with stock's
-    values (stock prefilled the whole prompts here, the engine only what follows the
-    cached prefix: rounding differs on both paths)."""
-    import numpy as np
+def test_responses_carry_stock_logprobs_and_their_tokens_value_on_the_host(loaded, mode):
+    """Each response's log-probabilities are an MLX row with stock's values (stock prefilled
+    the whole prompts here, the engine only what follows the cached prefix: rounding
+    differs on both paths); ``[token]``, which mlx_lm.server reads every step, answers
+    from the host, and the server's top-logprobs formatting works on the row."""
+    from mlx_lm.server import _format_top_logprobs
+
+    from mlx_radix_plugin.engine.generator import TokenLogprobs
 
     model, tok = loaded("llama")
     prefix = prefix_of(tok)
@@ -479,7 +481,12 @@ def test_responses_carry_stock_logprobs_on_the_host(loaded, mode):
     for ours, theirs in zip(got, stock):
         assert [t for t, _ in ours] == [t for t, _ in theirs]
         for (token, row), (_, expected) in zip(ours, theirs):
-            assert isinstance(row, np.ndarray) and row.dtype == np.float32
-            expected = np.asarray(expected.astype(mx.float32))
-            assert np.abs(row - expected).max() <= FIDELITY_TOLERANCE * np.abs(expected).max()
-            assert isinstance(row[token].item(), float)
+            assert isinstance(row, TokenLogprobs) and row.dtype == expected.dtype
+            worst = mx.abs(row - expected).max().item()
+            assert worst <= FIDELITY_TOLERANCE * mx.abs(expected).max().item()
+            assert row[token].item() == row.tolist()[token] == row.value
+            assert row[token].dtype == row.dtype
+            assert row[token + 1].item() == row.tolist()[token + 1]  # the array's own
+            top = _format_top_logprobs(row, 3, tok)
+            best = sorted((t["logprob"] for t in top), reverse=True)  # argpartition: unordered
+            assert best == sorted(row.tolist(), reverse=True)[:3]

@@ -14,8 +14,8 @@ sequences and removal; its batch caches become pool-backed through
 - admission by pool room: a request whose prompt pages cannot be reserved waits in the
   queue until running requests give pages back; one that cannot fit even with nothing
   running is served uncached from the batch buffer;
-- the decode path (``decode_path.py``) and each response's log-probabilities on the host
-  (``_host_logprobs``).
+- the decode path (``decode_path.py``), and each response's sampled log-probability on the
+  host (``_host_logprobs``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import logging
 from collections import deque
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.generate import BatchGenerator
 
 from ..cache.batch import rows_of
@@ -36,6 +35,21 @@ from . import attention
 from .decode_path import RULES, DecodePath
 
 log = logging.getLogger("mlx_radix")
+
+
+class TokenLogprobs(mx.array):
+    """A response's log-probabilities, the MLX array mlx-lm hands over, that also holds its
+    sampled token's value on the host: ``[token]`` answers from there (the same value, in
+    the row's dtype) without queueing an operation; any other use is the array's own."""
+
+    def __init__(self, row: mx.array, token: int, value: float):
+        super().__init__(row)
+        self.token, self.value = token, value
+
+    def __getitem__(self, index):
+        if type(index) is int and index == self.token:
+            return mx.array(self.value, dtype=self.dtype)
+        return super().__getitem__(index)
 
 
 def _table(sequence) -> PageTable | None:
@@ -173,24 +187,23 @@ class RadixBatchGenerator(BatchGenerator):
         return super()._make_batch(len(ready))
 
     def _host_logprobs(self, responses) -> None:
-        """Hand each generated token's log-probabilities over as a host (NumPy) float32 row.
+        """Give each generated token's log-probabilities their token's value on the host.
 
         mlx_lm.server reads ``r.logprobs[r.token].item()`` for every row of every step. On
         an MLX array that indexing is a new operation on the generation stream, queued
         behind the next step's forward pass, which mlx-lm has already started: the
         server's per-row work then waits for that pass instead of overlapping it, so a
-        step costs the forward pass plus all the server's Python. These rows are already
-        evaluated; copied on a stream of their own they wait for nothing else. Same values
-        (bfloat16 and float16 widen to float32 exactly), and what the server does with
-        them (the token's value, the top-n) works the same on a NumPy row.
+        step costs the forward pass plus all the server's Python. The values are picked
+        here on a stream of their own, which waits only for these (already evaluated)
+        rows, and ``TokenLogprobs`` answers ``[token]`` from them.
         """
         if not responses:
             return
         with mx.stream(self._host_stream):
-            rows = mx.stack([r.logprobs for r in responses]).astype(mx.float32)
-        mx.eval(rows)
-        for r, row in zip(responses, np.asarray(rows)):
-            r.logprobs = row
+            picked = mx.stack([r.logprobs[r.token] for r in responses]).astype(mx.float32)
+        mx.eval(picked)
+        for r, value in zip(responses, picked.tolist()):
+            r.logprobs = TokenLogprobs(r.logprobs, r.token, value)
 
     def _next(self):
         # Requests that finish in this call give their pages back when the server
