@@ -242,7 +242,19 @@ def load_config(
             raise _unknown(key, "the command line", BY_KEY)
         values[key] = _check(BY_KEY[key], value, "the command line")
         sources[key] = "command line"
+    _check_together(values, sources)
     return Config(values, sources, file)
+
+
+def _check_together(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """What each key accepts alone can still be wrong together."""
+    tokens, page = values["radix.pool_tokens"], values["radix.page_size"]
+    if 0 < tokens < page:
+        raise ConfigError(
+            f"radix.pool_tokens = {tokens} ({sources['radix.pool_tokens']}) is less than one "
+            f"page of radix.page_size = {page} ({sources['radix.page_size']}): expected 0 "
+            f"(sized from memory) or at least {page}"
+        )
 
 
 def default_file_text() -> str:

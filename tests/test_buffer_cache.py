@@ -92,3 +92,22 @@ def test_metrics_render_with_the_radix_path_disabled():
     assert stats["fallback"] == "radix.enabled is false"
     assert stats["mlx_cache_limit_bytes"] is None and stats["mlx_active_bytes"] >= 0
     assert "mlx_radix_mlx_active_bytes " in plugin.metrics_route(None).body
+
+
+def test_a_pool_that_fails_to_build_is_a_visible_fallback(loaded, monkeypatch, caplog):
+    """Any failure building the pool at model load: the server goes on with the stock cache,
+    and the stats and the log say why (it used to escape bind, and later requests failed)."""
+    from mlx_radix_plugin.server import server_cache as module
+
+    def fail(*args, **kwargs):
+        raise MemoryError("cannot allocate 9 TB")
+
+    monkeypatch.setattr(module.KVPool, "for_model", fail)
+    model, _ = loaded("llama")
+    cache = make("0.25")
+    cache.bind(model, ("/home/me/models/Llama-tiny", None, None))
+    stats = cache.stats()
+    assert stats["fallback"] == "the KV pool could not be built: MemoryError: cannot allocate 9 TB"
+    assert stats["model"] == ["Llama-tiny", None, None]  # the name, not the local path
+    assert cache.radix is None and cache.stock is not None
+    assert "could not be built" in caplog.text

@@ -72,6 +72,11 @@ def test_env_names_and_bool_parsing():
         ("[radix]\neviction = 'fifo'\n", r"eviction = 'fifo'.*expected one of lru, lfu"),
         ("[decode]\nbatched = 1\n", r"decode.batched = 1.*expected true or false"),
         ("[radix\n", "is not valid TOML"),
+        (
+            "[radix]\npage_size = 32\npool_tokens = 16\n",
+            r"radix.pool_tokens = 16 \(file .*\) is less than one page of radix.page_size = 32 "
+            r"\(file .*\): expected 0 \(sized from memory\) or at least 32",
+        ),
     ],
 )
 def test_bad_file_values_name_key_value_and_accepted(toml, text, message):

@@ -366,6 +366,11 @@ BAD_CONFIGS = {
         "radix.page_size = 'big'",
     ),
     "mem_fraction 0": (RADIX, lambda tmp: {"MLX_RADIX_MEM_FRACTION": "0"}, "expected a number > 0"),
+    "a pool smaller than a page": (
+        RADIX,
+        lambda tmp: {"MLX_RADIX_POOL_TOKENS": "3", "MLX_RADIX_PAGE_SIZE": "4"},
+        "radix.pool_tokens = 3 (environment MLX_RADIX_POOL_TOKENS) is less than one page",
+    ),
     "unknown plugin from the environment": (
         [],
         lambda tmp: {"MLX_LM_PLUGINS": "nope"},
@@ -470,7 +475,9 @@ def test_cached_kv_never_crosses_models(serve, model_dirs, second_model):
     texts = [g["choices"][0]["text"] for g in got]
     assert texts == [expected[0], expected[0], expected[1], expected[1], expected[0]]
     assert expected[0] != expected[1]
-    assert stats["model"] == [str(model_dirs["llama"]), None, None]
+    # By name: the stats are readable cross-origin, the local path stays private.
+    assert stats["model"] == [model_dirs["llama"].name, None, None]
+    assert str(model_dirs["llama"].parent) not in json.dumps(stats)
 
 
 # -- soak ------------------------------------------------------------------------------------

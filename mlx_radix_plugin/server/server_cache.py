@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import Hashable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -63,6 +65,9 @@ class ServerPromptCache:
                 )
             except (UnsupportedModel, OutOfPages) as e:
                 reason = str(e)
+            except Exception as e:  # noqa: BLE001 - the server goes on, uncached, and says why
+                log.exception("radix KV pool for %s could not be built", model_key)
+                reason = f"the KV pool could not be built: {type(e).__name__}: {e}"
             else:
                 self.radix = RadixPromptCache(pool, eviction=cfg["radix.eviction"])
                 log.info(
@@ -127,9 +132,20 @@ class ServerPromptCache:
             stats = idle_stats(self.config["radix.page_size"], self.fallback)
             stats["cached_sequences"] = len(self.stock) if self.stock is not None else 0
         stats["fallback"] = self.fallback
-        stats["model"] = list(self.model_key) if self.model_key is not None else None
+        stats["model"] = public_model_key(self.model_key)
         stats.update(mlx_memory_stats(self.buffer_cache_limit))
         return stats
+
+
+def public_model_key(model_key: Hashable | None) -> list | None:
+    """The model key as stats show it: a local path by its last part only, since the stats
+    are readable cross-origin under stock's default ``--allowed-origins *``."""
+    if model_key is None:
+        return None
+    return [
+        Path(part).name if isinstance(part, str) and os.path.isabs(part) else part
+        for part in model_key
+    ]
 
 
 def mlx_memory_stats(cache_limit: int | None) -> dict:
