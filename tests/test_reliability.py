@@ -435,13 +435,33 @@ def test_warns_when_bound_beyond_loopback(monkeypatch, caplog, host, warns):
     assert ("reachable from other machines" in caplog.text) is warns
 
 
-def test_no_code_here_unpickles():
-    """Cached K/V lives only in memory; nothing deserializes objects from bytes."""
-    needles = ("pickle", "allow_pickle", "marshal.load", "shelve", "dill", "joblib", "torch.load")
+# What would run code or build objects from bytes or text: unpickling and its kin, eval and
+# exec (not MLX's mx.eval / async_eval), a shell, yaml's object-building loader.
+UNSAFE = re.compile(
+    r"pickle|marshal\.load|shelve|\bdill\b|joblib|torch\.load|(?<![\w.])(?:eval|exec)\(|"
+    r"shell\s*=\s*True|yaml\.(?:unsafe_)?load\(|os\.system\("
+)
+
+
+def unsafe_uses(text: str) -> list[str]:
+    return [m.group(0) for m in UNSAFE.finditer(text)]
+
+
+def test_no_code_here_runs_or_unpickles_what_it_reads():
+    """Cached K/V lives only in memory; nothing evaluates, unpickles or shells out."""
     sources = [*(REPO / "mlx_radix_plugin").rglob("*.py"), *(REPO / "hooks").rglob("*.py")]
     assert len(sources) > 10
-    found = [f"{p.relative_to(REPO)}: {n}" for p in sources for n in needles if n in p.read_text()]
+    found = [f"{p.relative_to(REPO)}: {u}" for p in sources for u in unsafe_uses(p.read_text())]
     assert found == []
+
+
+def test_the_unsafe_code_check_finds_what_it_names():
+    planted = (
+        "x = pickle.loads(b)\nnp.load(f, allow_pickle=True)\neval(text)\nexec(code)\n"
+        "subprocess.run(cmd, shell=True)\nyaml.load(s)\nos.system(c)\nmarshal.loads(b)\n"
+    )
+    assert len(unsafe_uses(planted)) == 8  # pickle twice, then one each
+    assert unsafe_uses("mx.eval(a)\nmx.async_eval(b)\nyaml.safe_load(s)\nshell=False\n") == []
 
 
 @pytest.fixture(scope="module")

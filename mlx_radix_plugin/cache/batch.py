@@ -53,10 +53,7 @@ class BatchedDecodeContext:
       the last layer, one scatter per pool array (``KVPool.write_layers``).
     """
 
-    built = 0  # how many were ever built: tests check it is one per forward, not per layer
-
     def __init__(self, tables: list[PageTable], lengths: list[int], valid: list[int], step: int):
-        BatchedDecodeContext.built += 1
         self.step = step
         self.calls = 0  # layers that have run this pass
         self.offset: mx.array | None = None

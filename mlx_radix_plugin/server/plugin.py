@@ -6,6 +6,7 @@ import ipaddress
 import logging
 import socket
 import sys
+import threading
 import weakref
 from collections import Counter
 from typing import Any
@@ -77,7 +78,9 @@ class RadixPlugin:
         self.config_path: str | None = None
         self.config: Config | None = None
         self.cache: ServerPromptCache | None = None
+        # Ended requests by finish reason: counted by HTTP threads, read by stats requests.
         self.requests: Counter[str] = Counter()
+        self._requests_lock = threading.Lock()
         self.engine: weakref.ref = lambda: None  # the batch generator built last
 
     def configure(self, overrides: dict[str, Any], path: str | None = None) -> None:
@@ -137,7 +140,8 @@ class RadixPlugin:
 
     @hookimpl
     def mlx_lm_request_finished(self, record):
-        self.requests[record.finish_reason or "unknown"] += 1
+        with self._requests_lock:
+            self.requests[record.finish_reason or "unknown"] += 1
 
     @hookimpl
     def mlx_lm_register_routes(self, register):
@@ -157,7 +161,8 @@ class RadixPlugin:
             stats.update(engine.decode_stats)
         else:  # nothing decodes from this pool yet
             stats.update(idle_decode_stats(self.config["decode.shared_prefix"]))
-        stats["requests"] = dict(self.requests)
+        with self._requests_lock:
+            stats["requests"] = dict(self.requests)
         return stats
 
     def stats_route(self, request: RouteRequest) -> RouteResponse:
@@ -166,7 +171,8 @@ class RadixPlugin:
     def metrics_route(self, request: RouteRequest) -> RouteResponse:
         if not self.config["metrics.enabled"]:
             return RouteResponse(404, {"error": "metrics are off (metrics.enabled = false)"})
-        text = metrics.render(self.stats(), self.requests)
+        stats = self.stats()
+        text = metrics.render(stats, stats["requests"])
         return RouteResponse(200, text, "text/plain; version=0.0.4; charset=utf-8")
 
 

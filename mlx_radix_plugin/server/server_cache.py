@@ -126,8 +126,9 @@ class ServerPromptCache:
     # -- what /v1/cache/stats shows -------------------------------------------------
 
     def stats(self) -> dict:
-        if self.radix is not None:
-            stats = self.radix.stats()
+        radix = self.radix  # read once: a model load on the generation thread may swap it
+        if radix is not None:
+            stats = radix.stats()
         else:
             stats = idle_stats(self.config["radix.page_size"], self.fallback)
             stats["cached_sequences"] = len(self.stock) if self.stock is not None else 0

@@ -1,4 +1,5 @@
-"""MLX's cache of freed buffers is bounded by what the model and the pool leave."""
+"""The server's prompt cache and stats: binding a model (the pool, MLX's buffer cache limit, a
+visible fallback), what the stats and metrics show, and reading them while other threads write."""
 
 import mlx.core as mx
 import pytest
@@ -111,3 +112,62 @@ def test_a_pool_that_fails_to_build_is_a_visible_fallback(loaded, monkeypatch, c
     assert stats["model"] == ["Llama-tiny", None, None]  # the name, not the local path
     assert cache.radix is None and cache.stock is not None
     assert "could not be built" in caplog.text
+
+
+def test_finish_reasons_are_read_under_the_lock_their_writers_take():
+    """HTTP threads count finished requests while /metrics and the stats read the counts:
+    every read is a snapshot taken under the writers' lock (a dict read while another
+    thread adds a key raises; free-threaded Python makes that reachable)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from mlx_radix_plugin.server.plugin import RadixPlugin
+
+    plugin = RadixPlugin()
+    plugin.config = load_config(environ={"MLX_RADIX_ENABLED": "false"})
+
+    def held() -> None:
+        lock = getattr(plugin, "_requests_lock", None)
+        assert lock is not None and lock.locked(), "finish reasons read without the lock"
+
+    class Guarded(Counter):
+        def __iter__(self):
+            held()
+            return super().__iter__()
+
+        def keys(self):
+            held()
+            return super().keys()
+
+        def items(self):
+            held()
+            return super().items()
+
+    plugin.requests = Guarded()
+    plugin.mlx_lm_request_finished(SimpleNamespace(finish_reason="stop"))
+    plugin.mlx_lm_request_finished(SimpleNamespace(finish_reason=None))
+    assert plugin.stats()["requests"] == {"stop": 1, "unknown": 1}
+    assert 'mlx_radix_requests_total{finish_reason="stop"} 1' in plugin.metrics_route(None).body
+
+
+def test_stats_read_the_pool_once_while_a_model_load_swaps_it(loaded):
+    """A model load (generation thread) may set ``radix`` to None between two reads."""
+    model, _ = loaded("llama")
+    cache = make("0.25")
+    cache.bind(model, ("m", None, None))
+    bound = cache.radix
+
+    class Swapping(ServerPromptCache):
+        reads = 0
+
+        @property
+        def radix(self):
+            Swapping.reads += 1
+            return bound if Swapping.reads == 1 else None
+
+        @radix.setter
+        def radix(self, value):
+            pass
+
+    cache.__class__ = Swapping
+    assert cache.stats()["pages_total"] == bound.pool.num_pages
