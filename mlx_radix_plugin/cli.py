@@ -66,10 +66,16 @@ def cli():
 @click.option("--plugin", "plugins", multiple=True, help="Activate another plugin too.")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve(config_file, plugins, server_args, **options):
-    from mlx_lm_hooks.plugins import UnknownPlugin
+    from mlx_lm_hooks.plugins import ActivationError
     from mlx_lm_hooks.server import serve as run_server
 
-    from .server.plugin import plugin
+    from .server.mlx_lm_internals import IncompatibleMlxLm
+
+    try:
+        from .server.plugin import plugin
+    except IncompatibleMlxLm as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
 
     overrides = {SERVE_OPTIONS[k]: v for k, v in options.items() if v is not None}
     _config_or_exit(cli=overrides, path=config_file)  # fail before anything starts
@@ -85,7 +91,7 @@ def serve(config_file, plugins, server_args, **options):
             sys.exit(1)
     try:
         run_server(["radix", *plugins], server_args)
-    except UnknownPlugin as e:
+    except ActivationError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
@@ -165,7 +171,7 @@ def doctor(model_path, config_file):
     import mlx_lm
 
     from .memory.budget import device_memory, pool_budget_bytes
-    from .server.plugin import MLX_LM_VERSION
+    from .server.mlx_lm_internals import MLX_LM_VERSION, missing
 
     cfg = _config_or_exit(path=config_file)
     mem = device_memory()
@@ -173,7 +179,7 @@ def doctor(model_path, config_file):
         "python": platform.python_version(),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
-        "mlx_lm_ok": mlx_lm.__version__ == MLX_LM_VERSION,
+        "mlx_lm_ok": mlx_lm.__version__ == MLX_LM_VERSION and not missing(),
         "backend": mem.backend,
         "device": str(mx.default_device()),
         "memory_usable_bytes": mem.usable_bytes,

@@ -134,9 +134,55 @@ def test_bootstrap_does_nothing_unless_asked_and_is_idempotent(monkeypatch):
     assert len(finders()) == 1
 
 
-def test_bootstrap_never_raises(monkeypatch):
+def test_bootstrap_never_raises_and_says_in_one_line_why_plugins_are_off(monkeypatch, capsys):
+    from mlx_lm_hooks import blas
+
+    before = list(sys.meta_path)
+
+    def broken():
+        raise OSError("libopenblas.so.0: cannot open shared object file")
+
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.server", "--plugin", "radix"])
+    monkeypatch.setattr(blas, "preload", broken)
+    _startup.bootstrap()
+    assert sys.meta_path == before  # nothing left behind
+    assert capsys.readouterr().err == (
+        "mlx_lm_hooks: plugins not activated: OSError: libopenblas.so.0: cannot open shared "
+        "object file\n"
+    )
     monkeypatch.setattr(sys, "argv", None)  # whatever state the interpreter is in
     _startup.bootstrap()
+    assert sys.meta_path == before
+
+
+def test_a_plugin_that_fails_to_load_stops_the_start_in_one_line(monkeypatch, capsys):
+    from mlx_lm_hooks import plugins
+
+    class EntryPoint:
+        def load(self):
+            raise ImportError("mlx-radix needs mlx-lm==0.32.2; found mlx-lm 0.40.0")
+
+    monkeypatch.setattr(plugins, "installed_plugins", lambda: {"broken": EntryPoint()})
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.server", "--plugin", "broken"])
+    main = _startup._main_with_plugins(lambda: pytest.fail("stock main must not run"))
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: plugin 'broken' could not be loaded: mlx-radix needs mlx-lm==0.32.2; "
+        "found mlx-lm 0.40.0\n"
+    )
+
+
+def test_install_changes_nothing_in_a_server_that_lacks_what_it_swaps(monkeypatch):
+    import mlx_lm.server as server
+    from mlx_lm_hooks import server as hooks_server
+
+    stock, pm = server.ModelProvider, hooks_server._Installed.pm
+    monkeypatch.delattr(server, "TimeBudget")
+    with pytest.raises(hooks_server.IncompatibleServer, match="has no TimeBudget: the plugin"):
+        hooks_server.install(make_plugin_manager())
+    assert server.ModelProvider is stock and hooks_server._Installed.pm is pm
 
 
 def test_startup_module_imports_nothing_heavy():
@@ -145,17 +191,22 @@ def test_startup_module_imports_nothing_heavy():
     assert sorted(a.name for n in top for a in n.names) == ["os", "sys"]
 
 
-def test_other_mlx_lm_version_is_refused_naming_the_pin(monkeypatch, capsys):
+def test_other_mlx_lm_is_refused_naming_the_pin_and_what_it_lacks(monkeypatch):
     import mlx_lm
+    from mlx_lm.generate import BatchGenerator
 
-    from mlx_radix_plugin.server.plugin import check_mlx_lm_version
+    from mlx_radix_plugin.server import mlx_lm_internals
 
+    mlx_lm_internals.check()  # this one is right
     monkeypatch.setattr(mlx_lm, "__version__", "0.33.0")
-    with pytest.raises(SystemExit) as exit_info:
-        check_mlx_lm_version()
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "needs mlx-lm==0.32.2" in err and "found mlx-lm 0.33.0" in err
+    with pytest.raises(mlx_lm_internals.IncompatibleMlxLm) as refused:
+        mlx_lm_internals.check()
+    assert "needs mlx-lm==0.32.2" in str(refused.value) and "found mlx-lm 0.33.0." in str(
+        refused.value
+    )
+    monkeypatch.delattr(BatchGenerator, "_find_uids")
+    with pytest.raises(mlx_lm_internals.IncompatibleMlxLm, match="lacks BatchGenerator._find_uids"):
+        mlx_lm_internals.check()
 
 
 def test_every_hook_is_documented_in_the_readme():

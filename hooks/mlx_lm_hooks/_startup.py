@@ -46,7 +46,7 @@ def _asked(argv, environ) -> bool:
 
 def _main_with_plugins(stock_main):
     def main():
-        from .plugins import UnknownPlugin
+        from .plugins import ActivationError
         from .server import serve
 
         try:
@@ -56,7 +56,7 @@ def _main_with_plugins(stock_main):
             raise SystemExit(2) from None
         try:
             return serve(names, rest)
-        except UnknownPlugin as e:
+        except ActivationError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
 
@@ -112,6 +112,8 @@ def bootstrap() -> None:
                 server.main = _main_with_plugins(server.main)
             return
         sys.meta_path.insert(0, _ServerFinder())
-    except Exception:  # noqa: BLE001
-        # A broken plugin host must never stop Python from starting.
-        pass
+    except Exception as e:  # noqa: BLE001
+        # A broken plugin host must never stop Python from starting; but plugins were asked
+        # for, so say in one line why they will not be there (else all the user sees is
+        # mlx_lm.server's "unrecognized arguments: --plugin").
+        print(f"mlx_lm_hooks: plugins not activated: {type(e).__name__}: {e}", file=sys.stderr)

@@ -13,7 +13,17 @@ ENTRY_POINT_GROUP = "mlx_lm.plugins"
 _pm: pluggy.PluginManager | None = None
 
 
-class UnknownPlugin(LookupError):
+class ActivationError(Exception):
+    """Plugins cannot be activated: the message is the one line a user sees."""
+
+
+class PluginLoadError(ActivationError):
+    def __init__(self, name: str, error: Exception):
+        self.name = name
+        super().__init__(f"plugin {name!r} could not be loaded: {error}")
+
+
+class UnknownPlugin(ActivationError, LookupError):
     def __init__(self, name: str, installed: list[str]):
         self.name = name
         self.installed = installed
@@ -49,7 +59,11 @@ def activate(names: list[str], pm: pluggy.PluginManager | None = None) -> list[s
         raise UnknownPlugin(unknown[0], sorted(installed))
     for name in names:
         if not pm.has_plugin(name):
-            pm.register(installed[name].load(), name=name)
+            try:
+                plugin = installed[name].load()
+            except Exception as e:  # its import refused this mlx-lm, or is broken
+                raise PluginLoadError(name, e) from e
+            pm.register(plugin, name=name)
     return names
 
 

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import pluggy
 
-from .plugins import activate, get_plugin_manager
+from .plugins import ActivationError, activate, get_plugin_manager
 from .routes import RouteRequest, RouteResponse, RouteTable
 
 log = logging.getLogger("mlx_lm_hooks")
@@ -81,10 +81,36 @@ def _hook():
     return _Installed.pm.hook
 
 
+# What install() swaps or wraps in mlx_lm.server (0.32.2's names): checked before anything is.
+SERVER_NAMES = (
+    "ModelProvider",
+    "LRUPromptCache",
+    "BatchGenerator",
+    "ResponseGenerator",
+    "_run_http_server",
+    "APIHandler",
+    "TimeBudget",
+)
+
+
+class IncompatibleServer(ActivationError):
+    """This mlx_lm.server lacks what the hooks swap: nothing was changed."""
+
+
 def install(pm: pluggy.PluginManager) -> None:
-    """Point mlx_lm.server at the hook call sites; calling it again only swaps ``pm``."""
+    """Point mlx_lm.server at the hook call sites; calling it again only swaps ``pm``.
+
+    Raises ``IncompatibleServer``, having changed nothing, when a name it swaps is missing.
+    """
+    import mlx_lm
     import mlx_lm.server as server
 
+    missing = [name for name in SERVER_NAMES if not hasattr(server, name)]
+    if missing:
+        raise IncompatibleServer(
+            f"mlx_lm.server of mlx-lm {mlx_lm.__version__} has no {', '.join(missing)}: "
+            "the plugin hooks were written for mlx-lm 0.32.2"
+        )
     _Installed.pm = pm
     routes = RouteTable()
     pm.hook.mlx_lm_register_routes(register=routes.register)
@@ -92,15 +118,7 @@ def install(pm: pluggy.PluginManager) -> None:
     if _Installed.stock:
         return
     _Installed.stock = {
-        name: getattr(server, name)
-        for name in (
-            "ModelProvider",
-            "LRUPromptCache",
-            "BatchGenerator",
-            "ResponseGenerator",
-            "_run_http_server",
-            "APIHandler",
-        )
+        name: getattr(server, name) for name in SERVER_NAMES if name != "TimeBudget"
     }
     server.ModelProvider = _model_provider_class(_Installed.stock["ModelProvider"])
     server.LRUPromptCache = _prompt_cache

@@ -28,7 +28,6 @@ from ..memory.prefix_groups import PrefixGroup, group_rows
 from .batch import BatchRows
 from .offset import OffsetCache
 
-
 # Columns of the masked variant's keys come in whole buckets of this many (see masked_layout).
 MASKED_BUCKET = 1024
 

@@ -18,27 +18,19 @@ from ..cache.prompt_cache import idle_stats
 from ..config import Config, ConfigError, load_config
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
-from . import metrics
+from . import metrics, mlx_lm_internals
 from .server_cache import ServerPromptCache, mlx_memory_stats
 
-MLX_LM_VERSION = "0.32.2"
 log = logging.getLogger("mlx_radix")
+
+# When the plugin loads: before the hooks change anything in mlx_lm.server.
+mlx_lm_internals.check()
 
 
 def exit_with_usage_error(message: str):
     """Stop before anything starts: the message on stderr, exit status 2 (as argparse)."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def check_mlx_lm_version() -> None:
-    import mlx_lm
-
-    if mlx_lm.__version__ != MLX_LM_VERSION:
-        exit_with_usage_error(
-            f"mlx-radix needs mlx-lm=={MLX_LM_VERSION} (it uses that version's internals); "
-            f'found mlx-lm {mlx_lm.__version__}. Install it: pip install "mlx-lm=={MLX_LM_VERSION}"'
-        )
 
 
 def is_loopback(host: str) -> bool:
@@ -90,7 +82,6 @@ class RadixPlugin:
 
     @hookimpl
     def mlx_lm_server_start(self, cli_args):
-        check_mlx_lm_version()
         try:
             self.config = load_config(cli=self.cli_overrides, path=self.config_path)
         except ConfigError as e:

@@ -101,7 +101,13 @@ def step_times(model, prompts, mode: str, steps: int, page_size: int) -> tuple[f
 
 
 def calibrate(
-    model_dir: Path, grid, *, question: int, steps: int, page_size: int, modes=("stock", "off", "on")
+    model_dir: Path,
+    grid,
+    *,
+    question: int,
+    steps: int,
+    page_size: int,
+    modes=("stock", "off", "on"),
 ) -> list[dict]:
     import mlx.core as mx
     from mlx_lm import load

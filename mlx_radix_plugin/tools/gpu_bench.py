@@ -275,7 +275,9 @@ def _shared_round(server: ServerProcess, name: str, args, rows: int, prefix: int
     extra = {}
     if poller:
         extra = poller.stop()
-        extra["shared_steps"] = server.stats()["decode_steps_shared"] - before["decode_steps_shared"]
+        extra["shared_steps"] = (
+            server.stats()["decode_steps_shared"] - before["decode_steps_shared"]
+        )
     first = min(start + r["ttft"] for r in results)
     last = max(start + r["ttft"] + r["seconds"] for r in results)
     generated = sum(r["usage"]["completion_tokens"] - 1 for r in results)
@@ -310,7 +312,9 @@ def measure_decode_shared(model_dir: Path, work: Path, args, rows: int, prefix: 
             **extra,
         }
     if rates["stock"] and rates["radix"]:
-        out["ratio"] = round(statistics.median(rates["radix"]) / statistics.median(rates["stock"]), 3)
+        out["ratio"] = round(
+            statistics.median(rates["radix"]) / statistics.median(rates["stock"]), 3
+        )
         out["greedy_match"] = sum(a == b for a, b in zip(texts["stock"], texts["radix"]))
         out["requests"] = min(len(texts["stock"]), len(texts["radix"]))
     return out
