@@ -67,17 +67,23 @@ def radix(model, tokens=4096):
     return RadixPromptCache(KVPool.for_model(model, page_size=PS, pool_tokens=tokens))
 
 
+def admit(gen, rpc, prompts, max_tokens, **kwargs) -> list[int]:
+    """Hand ``prompts`` to the engine ``gen`` with what ``rpc`` holds of each, as the server
+    does; returns their uids."""
+    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+    return gen.insert_segments(
+        [[rest] for _, rest in fetched],
+        max_tokens=max_tokens,
+        caches=[c for c, _ in fetched],
+        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+        **kwargs,
+    )
+
+
 def warm(model, rpc, prefixes):
     """Cache ``prefixes`` in the tree, as earlier requests would have."""
     gen = RadixBatchGenerator(model, rpc, shared_prefix="off")
-    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prefixes]
-    gen.insert_segments(
-        [[rest] for _, rest in fetched],
-        max_tokens=[1] * len(prefixes),
-        caches=[c for c, _ in fetched],
-        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prefixes, fetched)],
-    )
-    del fetched
+    admit(gen, rpc, prefixes, [1] * len(prefixes))
     done = 0
     while done < len(prefixes):
         for r in gen.next()[1]:
@@ -97,23 +103,22 @@ def engine_run(model, tok, rpc, prompts, max_tokens, *, mode="on", late=(), join
         model, rpc, shared_prefix=mode, completion_batch_size=16, prefill_batch_size=8
     )
 
-    def admit(idx):
-        fetched = [rpc.fetch_nearest_cache(KEY, prompts[i]) for i in idx]
-        uids = gen.insert_segments(
-            [[rest] for _, rest in fetched],
-            max_tokens=[max_tokens[i] for i in idx],
-            caches=[c for c, _ in fetched],
-            all_tokens=[prompts[i][: len(prompts[i]) - len(r)] for i, (_, r) in zip(idx, fetched)],
+    def admit_rows(idx):
+        uids = admit(
+            gen,
+            rpc,
+            [prompts[i] for i in idx],
+            [max_tokens[i] for i in idx],
             logits_processors=[[rec.processor(i)] for i in idx],
         )
         return dict(zip(uids, idx))
 
-    who = admit([i for i in range(len(prompts)) if i not in late])
+    who = admit_rows([i for i in range(len(prompts)) if i not in late])
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     paths, steps, done = [], 0, 0
     while done < len(prompts):
         if steps == join_after and late:
-            who.update(admit(list(late)))
+            who.update(admit_rows(list(late)))
         responses = gen.next()[1]
         steps += bool(responses)
         paths.append(gen.decode_stats["decode_path"])
@@ -199,14 +204,7 @@ def test_the_shared_path_holds_no_batch_buffer_and_reads_each_prefix_once(loaded
         rpc = radix(model)
         warm(model, rpc, [prefix])
         gen = RadixBatchGenerator(model, rpc, shared_prefix=mode, completion_batch_size=8)
-        fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
-        gen.insert_segments(
-            [[r] for _, r in fetched],
-            max_tokens=[8] * 4,
-            caches=[c for c, _ in fetched],
-            all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
-        )
-        del fetched
+        admit(gen, rpc, prompts, [8] * 4)
         while len(gen._generation_batch) < 4:
             gen.next()
         gen.next()
@@ -234,14 +232,7 @@ def test_pool_writes_stay_in_place_while_layers_read_the_pool(loaded):
     array_bytes = rpc.pool.keys[0].nbytes
     warm(model, rpc, [prefix])
     gen = RadixBatchGenerator(model, rpc, shared_prefix="on", completion_batch_size=8)
-    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
-    gen.insert_segments(
-        [[r] for _, r in fetched],
-        max_tokens=[20] * 4,
-        caches=[c for c, _ in fetched],
-        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
-    )
-    del fetched
+    admit(gen, rpc, prompts, [20] * 4)
     while gen.decode_stats["decode_path"] != "shared":
         gen.next()
     mx.eval(rpc.pool.arrays)
@@ -408,14 +399,7 @@ def test_masked_columns_are_whole_buckets_of_prefixes_and_own_tokens(loaded, mon
     rpc = radix(model)
     warm(model, rpc, [prefix])
     gen = RadixBatchGenerator(model, rpc, shared_prefix="on", completion_batch_size=8)
-    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
-    gen.insert_segments(
-        [[r] for _, r in fetched],
-        max_tokens=[6] * 3,
-        caches=[c for c, _ in fetched],
-        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
-    )
-    del fetched
+    admit(gen, rpc, prompts, [6] * 3)
     seen = []
     real = attention.masked_attention
 
@@ -456,8 +440,7 @@ def test_responses_carry_stock_logprobs_and_their_tokens_value_on_the_host(loade
     prefix = prefix_of(tok)
     prompts = [prefix + question(tok, i) for i in range(3)]
 
-    def run(gen, **kwargs):
-        uids = gen.insert_segments(max_tokens=[5] * 3, **kwargs)
+    def run(gen, uids):
         rows = {u: [] for u in uids}
         done = 0
         while done < 3:
@@ -467,17 +450,12 @@ def test_responses_carry_stock_logprobs_and_their_tokens_value_on_the_host(loade
         gen.close()
         return [rows[u] for u in uids]
 
-    stock = run(BatchGenerator(model, completion_batch_size=8), segments=[[p] for p in prompts])
+    gen = BatchGenerator(model, completion_batch_size=8)
+    stock = run(gen, gen.insert_segments([[p] for p in prompts], max_tokens=[5] * 3))
     rpc = radix(model)
     warm(model, rpc, [prefix])
-    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
-    got = run(
-        RadixBatchGenerator(model, rpc, shared_prefix=mode, completion_batch_size=8),
-        segments=[[r] for _, r in fetched],
-        caches=[c for c, _ in fetched],
-        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
-    )
-    del fetched
+    gen = RadixBatchGenerator(model, rpc, shared_prefix=mode, completion_batch_size=8)
+    got = run(gen, admit(gen, rpc, prompts, [5] * 3))
     for ours, theirs in zip(got, stock):
         assert [t for t, _ in ours] == [t for t, _ in theirs]
         for (token, row), (_, expected) in zip(ours, theirs):
