@@ -500,6 +500,8 @@ def test_cached_kv_never_crosses_models(serve, model_dirs, second_model):
     # By name: the stats are readable cross-origin, the local path stays private.
     assert stats["model"] == [model_dirs["llama"].name, None, None]
     assert str(model_dirs["llama"].parent) not in json.dumps(stats)
+    # Three loads, each on an empty pool: the start's, the other model's, and back.
+    assert stats["model_loads"] == 3
 
 
 # -- soak ------------------------------------------------------------------------------------

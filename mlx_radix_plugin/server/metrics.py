@@ -50,6 +50,11 @@ METRICS = {
         "gauge",
         "K/V bytes the running batches hold outside the pool (copies of cached prefixes).",
     ),
+    "model_loads": (
+        "mlx_radix_model_loads_total",
+        "counter",
+        "Models loaded; each starts an empty pool (a request naming another model loads it).",
+    ),
     "mlx_active_bytes": ("mlx_radix_mlx_active_bytes", "gauge", "Bytes of MLX's live arrays."),
     "mlx_cache_bytes": (
         "mlx_radix_mlx_cache_bytes",

@@ -145,6 +145,7 @@ class RadixPlugin:
         else:
             stats = idle_stats(self.config["radix.page_size"], "radix.enabled is false")
             stats["model"] = None
+            stats["model_loads"] = 0  # not counted: stock's own cache serves
             stats.update(mlx_memory_stats(None))
         engine = self.engine()
         radix = self.cache.radix if self.cache is not None else None

@@ -39,6 +39,9 @@ class ServerPromptCache:
         self.model_key: Hashable | None = None
         self.fallback: str | None = NOT_LOADED
         self.buffer_cache_limit: int | None = None  # set on MLX at bind; None: MLX's own
+        # Models loaded: each load starts an empty pool, and a client can ask for one by
+        # naming another model (stock loads what is asked for), emptying everyone's cache.
+        self.model_loads = 0
 
     def _fallback_reason(self, draft_model, cli_args) -> str | None:
         if getattr(cli_args, "kv_bits", None) is not None:
@@ -49,6 +52,7 @@ class ServerPromptCache:
 
     def bind(self, model, model_key: Hashable, draft_model=None, cli_args=None) -> None:
         """Serve ``model`` from now on: a fresh pool for it, or the stock cache."""
+        self.model_loads += 1
         self.radix = self.stock = None
         gc.collect()
         mx.clear_cache()  # the old pool's memory goes back before the new one is taken
@@ -134,6 +138,7 @@ class ServerPromptCache:
             stats["cached_sequences"] = len(self.stock) if self.stock is not None else 0
         stats["fallback"] = self.fallback
         stats["model"] = public_model_key(self.model_key)
+        stats["model_loads"] = self.model_loads
         stats.update(mlx_memory_stats(self.buffer_cache_limit))
         return stats
 
