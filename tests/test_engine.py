@@ -4,6 +4,7 @@ import gc
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from test_batch import mixed_prompts, run_batch
 from test_generation import KEY, CountingModel, no_eos
@@ -77,18 +78,30 @@ def test_sampling_and_logits_processors_as_stock(loaded):
     mx.random.seed(11)
     got = run_batch(model, tok, prompts, radix(model), samplers=samplers, engine=True)
     assert got == expected
-    processors = make_logits_processors(
-        logit_bias={5: 10.0}, repetition_penalty=1.3, presence_penalty=0.5
-    )
-    gen = RadixBatchGenerator(model, radix(model), completion_batch_size=4)
-    (uid,) = gen.insert_segments(
-        [[prompts[0]]], max_tokens=[6], logits_processors=[processors + [no_eos([2])]]
-    )
-    tokens = []
-    while len(tokens) < 6:
-        tokens += [r.token for r in gen.next()[1]]
-    gen.close()
-    assert tokens.count(5) >= 1  # the bias shows
+
+    def processed(gen, **kwargs) -> list[int]:
+        processors = make_logits_processors(**kwargs)
+        gen.insert_segments(
+            [[prompts[0]]], max_tokens=[12], logits_processors=[processors + [no_eos([2])]]
+        )
+        tokens = []
+        while len(tokens) < 12:
+            tokens += [r.token for r in gen.next()[1]]
+        gen.close()
+        return tokens
+
+    outputs = []
+    for kwargs in (
+        dict(logit_bias={5: 10.0}),
+        dict(logit_bias={5: 10.0}, repetition_penalty=1.3, presence_penalty=20.0),
+    ):
+        expected = processed(BatchGenerator(model, completion_batch_size=4), **kwargs)
+        engine = RadixBatchGenerator(model, radix(model), completion_batch_size=4)
+        assert processed(engine, **kwargs) == expected, kwargs
+        outputs.append(expected)
+    biased, penalised = outputs
+    assert biased.count(5) >= 6  # the bias shows...
+    assert penalised.count(5) < biased.count(5)  # ...and the penalties hold it back
 
 
 def test_request_arriving_while_another_decodes_hits_its_prompt(loaded):
@@ -105,7 +118,20 @@ def test_request_arriving_while_another_decodes_hits_its_prompt(loaded):
     second = first[:-3] + tok.encode(" somewhere else entirely")
     cache, rest = rpc.fetch_nearest_cache(KEY, second)
     assert len(second) - len(rest) >= (len(first) - 3) // PS * PS
+    # It generates from those pages, while the first still decodes, as stock would alone.
+    (uid,) = gen.insert_segments(
+        [[rest]],
+        max_tokens=[8],
+        caches=[cache],
+        all_tokens=[second[: len(second) - len(rest)]],
+        logits_processors=[[no_eos(tok.eos_token_ids)]],
+    )
+    del cache
+    out = []
+    while len(out) < 8:
+        out += [r.token for r in gen.next()[1] if r.uid == uid]
     gen.close()
+    assert out == run_batch(model, tok, [second])[0]
 
 
 def test_removing_the_request_others_wait_for(loaded):
