@@ -78,11 +78,35 @@ def test_batched_outputs_equal_stock_request_by_request(loaded, arch):
     assert stats["hits"] == 4 and stats["pages_locked"] == 0
 
 
-def test_finished_requests_commit_their_pages_without_a_copy(loaded):
+def test_finished_requests_commit_their_pages_without_a_copy(loaded, monkeypatch):
     model, tok = loaded("llama")
     rpc = RadixPromptCache(KVPool.for_model(model, page_size=PS, pool_tokens=2048))
     prompts = mixed_prompts(tok)
+    # Commits hand the request's own pages to the tree: no page copied, none allocated.
+    committing, moved, commits = [False], [], []
+    for name in ("copy", "alloc_pages"):
+        real = getattr(KVPool, name)
+
+        def watched(self, *args, _real=real, _name=name):
+            if committing[0]:
+                moved.append(_name)
+            return _real(self, *args)
+
+        monkeypatch.setattr(KVPool, name, watched)
+    insert = rpc.insert_cache
+
+    def commit(*args, **kwargs):
+        commits.append(1)
+        committing[0] = True
+        try:
+            return insert(*args, **kwargs)
+        finally:
+            committing[0] = False
+
+    monkeypatch.setattr(rpc, "insert_cache", commit)
     run_batch(model, tok, prompts, rpc, max_tokens=6)
+    assert len(commits) >= len(prompts) and moved == []
+    monkeypatch.undo()
     # Every prompt + output is now cached: its K/V came from the batch's pool writes.
     for p in prompts:
         cache, rest = rpc.fetch_nearest_cache(KEY, p + [7])
