@@ -32,6 +32,11 @@ from .offset import OffsetCache
 MASKED_BUCKET = 1024
 
 
+def _padding(columns: int) -> int:
+    """Columns that make ``columns`` whole buckets."""
+    return -columns % MASKED_BUCKET
+
+
 class SharedRows:
     """A shared-prefix batch's groups and each row's own slots, kept between passes."""
 
@@ -111,6 +116,7 @@ class SharedPass:
         self.own_valid = mx.arange(width, dtype=mx.int32)[None, :] >= shared.pad  # (B, width)
         self._own_index: dict[int, mx.array] = {}
         self._masks: dict[tuple, mx.array | str | None] = {}
+        self._masked_columns: int | None = None
         self.calls = 0  # attention calls so far
         self.owned: list[int] = []  # ids of this pass's entries in _owners
 
@@ -148,12 +154,15 @@ class SharedPass:
         return mask
 
     def masked_columns(self) -> int:
-        """Key columns of the masked variant in a layer that reads every prefix."""
-        shared = self.shared
-        B, width = shared.own_slots.shape
-        columns = sum(len(g.pages) for g in shared.prefixed) * self.pool.page_size
-        columns += B * width + B
-        return columns + -columns % MASKED_BUCKET
+        """Key columns of the masked variant in a layer that reads every prefix; counted
+        once a pass (every layer's call asks)."""
+        if self._masked_columns is None:
+            shared = self.shared
+            B, width = shared.own_slots.shape
+            columns = sum(len(g.pages) for g in shared.prefixed) * self.pool.page_size
+            columns += B * width + B
+            self._masked_columns = columns + _padding(columns)
+        return self._masked_columns
 
     def masked_layout(self, heads: int, window: int | None) -> tuple[mx.array, mx.array]:
         """The masked variant's keys and what each row sees of them: ``(heads, tokens)``
@@ -186,8 +195,7 @@ class SharedPass:
         seen.append((eye[:, :, None] & self.own_mask(window)[:, 0]).reshape(B, B * width))
         # Padded to a whole bucket (slot 0, never seen): the fused call's shapes then change
         # once a bucket, not every step (CUDA builds a cuDNN graph per shape, ~45 ms).
-        columns = sum(i.shape[1] for i in index) + B
-        pad = -columns % MASKED_BUCKET
+        pad = _padding(sum(i.shape[1] for i in index) + B)
         if pad:
             index.append(mx.zeros((heads, pad), mx.int32))
             seen.append(mx.zeros((B, pad), mx.bool_))
