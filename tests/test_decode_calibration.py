@@ -34,3 +34,34 @@ def test_a_bad_grid_is_named(capsys):
     with pytest.raises(SystemExit):
         decode_calibration.main(["--grid", "8by2048"])
     assert "'8by2048': expected ROWSxPREFIX" in capsys.readouterr().err
+
+
+def test_the_server_s_pool_and_logit_bias_can_be_asked_for(tmp_path, monkeypatch):
+    """``--pool-tokens`` sizes the engine's pool (the server's, not one just large enough)
+    and ``--logit-bias`` gives every request a processor, as the benchmarks' requests have."""
+    import mlx_lm.sample_utils
+
+    from mlx_radix_plugin import KVPool
+
+    pools, biases = [], []
+    for_model, make = KVPool.for_model.__func__, mlx_lm.sample_utils.make_logits_processors
+
+    def sized(cls, model, **kwargs):
+        pools.append(kwargs["pool_tokens"])
+        return for_model(cls, model, **kwargs)
+
+    def processors(**kwargs):
+        biases.append(kwargs["logit_bias"])
+        return make(**kwargs)
+
+    monkeypatch.setattr(KVPool, "for_model", classmethod(sized))
+    monkeypatch.setattr(mlx_lm.sample_utils, "make_logits_processors", processors)
+    model = build("smollm2-135m", tmp_path / "m", **TINY)
+    out = tmp_path / "rows.json"
+    argv = ["--model", str(model), "--grid", "3x32", "--steps", "3", "--page-size", "4"]
+    argv += ["--modes", "stock,on", "--pool-tokens", "8192", "--logit-bias"]
+    assert decode_calibration.main([*argv, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["stock_path"], row["on_path"]) == ("stock", "shared")
+    assert pools == [8192]
+    assert biases == [{0: -100.0}, {0: -100.0}]

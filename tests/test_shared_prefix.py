@@ -246,6 +246,51 @@ def test_pool_writes_stay_in_place_while_layers_read_the_pool(loaded):
     gen.close()
 
 
+def test_a_pass_writes_the_pool_only_once_the_pass_before_it_has_stopped_reading(
+    loaded, monkeypatch
+):
+    """On a GPU, a kernel's inputs stay alive until it has run, so a write evaluated while
+    the previous pass still reads the pool copies the whole array. Each shared pass's writes
+    are evaluated with the next pass, after waiting for the one before (KVPool.settle), and
+    the engine does not evaluate them on its own between shared steps."""
+    model, tok = loaded("llama")
+    prefix = prefix_of(tok)
+    prompts = [prefix + question(tok, i) for i in range(4)]
+    rpc = radix(model)
+    warm(model, rpc, [prefix])
+    gen = RadixBatchGenerator(model, rpc, shared_prefix="on", completion_batch_size=8)
+    admit(gen, rpc, prompts, [12] * 4)
+    while gen.decode_stats["decode_path"] != "shared":
+        gen.next()
+    gen.next()  # a pass now runs, announced as reading the pool
+
+    events = []
+    synchronize, async_eval = mx.synchronize, mx.async_eval
+
+    def sync(*args):
+        events.append("wait")
+        return synchronize(*args)
+
+    def evaluate(*args):
+        pool = {id(a) for a in rpc.pool.arrays}
+        if any(id(a) in pool for x in args for a in (x if isinstance(x, list) else [x])):
+            events.append("pool written alone")
+        return async_eval(*args)
+
+    monkeypatch.setattr(mx, "synchronize", sync)
+    monkeypatch.setattr(mx, "async_eval", evaluate)
+    for _ in range(4):
+        events.append("step")
+        gen.next()
+    assert gen.decode_stats["decode_path"] == "shared"
+    assert events == ["step", "wait"] * 4
+    monkeypatch.undo()
+    while any(gen.next()):  # the rows finish: what they wrote last is evaluated after a wait
+        pass
+    assert rpc.pool._reader is None
+    gen.close()
+
+
 def test_off_is_bitwise_the_exact_path_with_or_without_the_patched_call_site(loaded, monkeypatch):
     model, tok = loaded("qwen3")
     prefix = prefix_of(tok)

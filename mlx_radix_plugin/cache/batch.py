@@ -243,6 +243,7 @@ class _PoolWrites:
         # which would otherwise copy a whole pool array to keep the gather's input.
         rows.merged.append(batch)
         if len(rows.merged) == rows.num_layers:
+            rows.pool.settle()
             mx.eval([c.state for c in rows.merged])
             rows.merged = []
         return batch

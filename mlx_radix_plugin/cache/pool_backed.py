@@ -46,6 +46,7 @@ class PoolBackedCache(OffsetTrim):
             # two layers' writes would copy the whole array at every write (pool.py).
             self._own = self.to_mlx_cache()
             if self.offset:
+                self.table.pool.settle()
                 mx.eval(self._own.state)
         table = self.table
         if not table.overflowed:

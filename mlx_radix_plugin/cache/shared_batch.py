@@ -15,9 +15,10 @@ group's prefix) and to the token of this step. The attention itself is in
   only when rows join or leave (the own slots grow by one column a step).
 - ``SharedPass``: what one pass's layers share, built by its first layer: the gather
   indices and masks. Every layer reads the pool before the pass writes to it (after its
-  last attention call): the writes are then evaluated after the step's logits, and MLX
-  updates the pool's arrays in place (a write evaluated together with a read of the same
-  array copies the whole array: ``memory/pool.py``).
+  last attention call): the writes are not needed for the step's logits, and are
+  evaluated with the next pass, once this one has finished reading (a write evaluated
+  together with a read of the same array, or while a kernel still reads it, copies the
+  whole array: ``memory/pool.py``).
 """
 
 from __future__ import annotations
@@ -304,6 +305,12 @@ class SharedPrefixBatchCache(OffsetCache):
         rows.end()
         rows.shared_pass = None
         rows.shared.advance(write_slots)
+        # mlx-lm evaluates this pass while the previous one may still run. Its reads need
+        # the previous pass's writes, which are evaluated with it: they update the pool in
+        # place only once nothing running reads the pool (KVPool.settle). This pass's own
+        # writes wait for the next pass, or for the engine after the step.
+        rows.pool.settle()
+        rows.pool.reading()
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         # The patched attention builds its own masks from the pass.

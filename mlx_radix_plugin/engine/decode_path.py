@@ -128,11 +128,16 @@ class DecodePath:
             self._decided = (*key, self.rule.takes_shared(groups, rows.lengths, ps))
         return self._decided[2]
 
+    @staticmethod
+    def is_shared(batch) -> bool:
+        """Whether ``batch`` has rows and steps next on the shared path."""
+        caches = batch.prompt_cache
+        return bool(len(batch) and caches) and isinstance(caches[0], SharedPrefixBatchCache)
+
     def count_step(self, batch) -> None:
         """Before ``batch`` steps: count the step on the path it takes."""
-        caches = batch.prompt_cache
-        if len(batch) and caches:
-            self.steps["shared" if isinstance(caches[0], SharedPrefixBatchCache) else "exact"] += 1
+        if len(batch) and batch.prompt_cache:
+            self.steps["shared" if self.is_shared(batch) else "exact"] += 1
 
     def stats(self, generation, prompt) -> dict:
         """What ``/v1/cache/stats`` shows of decoding: the path, the rows, the prefixes read

@@ -212,16 +212,20 @@ class RadixBatchGenerator(BatchGenerator):
         self.decode_path.count_step(self._generation_batch)
         responses = super()._next()
         self._host_logprobs(responses[1])
+        # The batch's path for its next step, chosen as soon as rows have joined or left:
+        # a batch that goes shared drops its buffers now, not one step later.
+        self.decode_path.prepare(self._generation_batch)
         # mlx-lm evaluates what the next tokens need, not our page writes: they are
         # scheduled here, behind the step that made them, without waiting for it.
         # Left pending, they pile up until something reads the pool and then run inside
         # that graph, where they stop updating in place and copy whole pool arrays (2 s
         # in a burst of 8 x 500 tokens on a 262k-token pool, 0.02 s when run here), and
-        # every admission's synchronisation would wait for the pile.
-        mx.async_eval(self.radix.pool.arrays)
-        # The batch's path for its next step, chosen as soon as rows have joined or left:
-        # a batch that goes shared drops its buffers now, not one step later.
-        self.decode_path.prepare(self._generation_batch)
+        # every admission's synchronisation would wait for the pile. A batch that goes
+        # on shared leaves them to its next pass, which evaluates them once this step has
+        # stopped reading the pool (shared_batch.py).
+        if not self.decode_path.is_shared(self._generation_batch):
+            self.radix.pool.settle()
+            mx.async_eval(self.radix.pool.arrays)
         self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
         for batch in (self._prompt_batch, self._generation_batch):
             rows = rows_of(batch.prompt_cache)

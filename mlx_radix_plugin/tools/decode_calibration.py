@@ -50,11 +50,24 @@ def parse_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-def step_times(model, prompts, mode: str, steps: int, page_size: int) -> tuple[float, str]:
+def step_times(
+    model,
+    prompts,
+    mode: str,
+    steps: int,
+    page_size: int,
+    pool_tokens: int | None = None,
+    logit_bias: bool = False,
+) -> tuple[float, str]:
     """Median ms of a decode step of ``prompts`` together, after warm-up steps; and the path
-    the engine's batch took (``stock`` for mlx-lm's own generator)."""
+    the engine's batch took (``stock`` for mlx-lm's own generator).
+
+    ``pool_tokens``: the engine's pool (default: what the prompts need); ``logit_bias``:
+    each request carries a logit bias, as the benchmarks' requests (which ban EOS) do.
+    """
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_logits_processors
 
     from ..cache.prompt_cache import RadixPromptCache
     from ..engine import attention
@@ -66,12 +79,13 @@ def step_times(model, prompts, mode: str, steps: int, page_size: int) -> tuple[f
     # Rows admitted in later prefill batches join a few steps after the first: enough
     # tokens that all decode together for ``steps`` steps and more.
     max_tokens = 3 * steps + 64
+    processors = [make_logits_processors(logit_bias={0: -100.0}) if logit_bias else []] * n
     attention.VARIANT = mode if mode in ("split", "masked") else None
     if mode == "stock":
         gen = BatchGenerator(model, **sizes)
-        gen.insert(prompts, max_tokens=[max_tokens] * n)
+        gen.insert(prompts, max_tokens=[max_tokens] * n, logits_processors=processors)
     else:
-        tokens = sum(map(len, prompts)) + n * (steps + 16) + 4 * page_size
+        tokens = pool_tokens or sum(map(len, prompts)) + n * (steps + 16) + 4 * page_size
         rpc = RadixPromptCache(KVPool.for_model(model, page_size=page_size, pool_tokens=tokens))
         path = "off" if mode == "off" else "on"
         gen = RadixBatchGenerator(model, rpc, shared_prefix=path, **sizes)
@@ -81,6 +95,7 @@ def step_times(model, prompts, mode: str, steps: int, page_size: int) -> tuple[f
             max_tokens=[max_tokens] * n,
             caches=[c for c, _ in fetched],
             all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+            logits_processors=processors,
         )
         del fetched
     times, finished = [], 0
@@ -108,6 +123,8 @@ def calibrate(
     steps: int,
     page_size: int,
     modes=("stock", "off", "on"),
+    pool_tokens: int | None = None,
+    logit_bias: bool = False,
 ) -> list[dict]:
     import mlx.core as mx
     from mlx_lm import load
@@ -134,7 +151,9 @@ def calibrate(
         }
         for mode in modes:
             try:
-                ms, path = step_times(model, prompts, mode, steps, page_size)
+                ms, path = step_times(
+                    model, prompts, mode, steps, page_size, pool_tokens, logit_bias
+                )
             except RuntimeError as e:  # out of device memory: the other modes still run
                 row[f"{mode}_error"] = str(e)[:200]
                 mx.clear_cache()
@@ -171,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         default=parse_modes("stock,off,on"),
         help=f"what to time, in order, stock first: {','.join(MODES)}",
     )
+    p.add_argument("--pool-tokens", type=int, help="the engine's pool (default: what it needs)")
+    p.add_argument(
+        "--logit-bias", action="store_true", help="every request with a logit bias, as in the bench"
+    )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="decode-calibration-") as tmp:
@@ -182,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps,
             page_size=args.page_size,
             modes=args.modes,
+            pool_tokens=args.pool_tokens,
+            logit_bias=args.logit_bias,
         )
     report = {"device": str(mx.default_device()), "model": args.model or args.shape, "rows": rows}
     if args.json:
