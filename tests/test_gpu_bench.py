@@ -38,8 +38,11 @@ def test_bad_concurrency_is_named(capsys):
     assert "'1,0': expected positive integers separated by commas" in capsys.readouterr().err
 
 
-def test_copy_bandwidth_is_positive():
-    assert gpu_bench.copy_bandwidth(1 << 20, iters=2) > 0
+def test_copy_bandwidth_counts_bytes_read_and_written_over_the_timed_copies(monkeypatch):
+    clock = iter([10.0, 10.5])  # the loop's start and end
+    monkeypatch.setattr(gpu_bench.time, "perf_counter", lambda: next(clock))
+    # 1 MiB read and 1 MiB written, twice, in half a second.
+    assert gpu_bench.copy_bandwidth(1 << 20, iters=2) == 2 * (1 << 20) * 2 / 0.5
 
 
 @pytest.mark.slow
@@ -55,20 +58,27 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     ]  # fmt: skip
     assert gpu_bench.main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["copy_bandwidth_gb_s"] > 0
     (shape,) = report["shapes"]
     assert shape["shape"] == "tiny" and "error" not in shape
 
+    # The figures are what the rounds measured: medians, and ratios of those medians.
     assert set(shape["decode"]) == {"1", "2"}
     for b, d in shape["decode"].items():
         assert d["requests"] == int(b)
-        assert d["stock"]["tokens_per_s"] > 0 and d["radix"]["ms_per_token"] > 0
+        for name in ("stock", "radix"):
+            rounds = d[name]["tokens_per_s_by_round"]
+            assert len(rounds) == 1 and d[name]["tokens_per_s"] == pytest.approx(rounds[0], 0.01)
+        assert d["ratio"] == round(d["radix"]["tokens_per_s"] / d["stock"]["tokens_per_s"], 3)
     # One request alone decodes the same tokens on both servers.
     assert shape["decode"]["1"]["greedy_match"] == 1
 
     shared = shape["decode_shared"]["3x64"]
     assert shared["requests"] == 3 and shared["greedy_match"] == 3
-    assert shared["stock"]["decode_tokens_per_s"] > 0 and shared["ratio"] > 0
+    for name in ("stock", "radix"):
+        (rate,) = shared[name]["by_round"]
+        assert shared[name]["decode_tokens_per_s"] == rate
+    ratio = shared["radix"]["decode_tokens_per_s"] / shared["stock"]["decode_tokens_per_s"]
+    assert shared["ratio"] == pytest.approx(ratio, rel=0.01)
     assert shared["radix"]["shared_steps"] >= 5  # 6 tokens: the first comes from the prefill
     # What the 50 ms poll saw of a round this short depends on timing: only what it may say.
     assert set(shared["radix"]["decode_paths"]) <= {"shared"}
@@ -82,9 +92,14 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     # The plugin computes the new prefix once; the questions each time.
     assert 48 + 3 * 16 <= burst["radix"]["prompt_tokens_computed"] < 3 * (48 + 16)
 
+    # The floor: the step's bytes over the measured copy bandwidth.
     floor = shape["floor"]
-    assert floor["floor_ms_per_token"] > 0
-    assert floor["stock_over_floor"] > 0 and floor["radix_over_floor"] > 0
+    bandwidth = report["copy_bandwidth_gb_s"] * 1e9
+    floor_ms = 1000 * (floor["weight_bytes"] + floor["kv_bytes"]) / bandwidth
+    assert floor["floor_ms_per_token"] == pytest.approx(floor_ms, rel=0.02)
+    for name in ("stock", "radix"):
+        over = shape["decode"]["1"][name]["ms_per_token"] / floor_ms
+        assert floor[f"{name}_over_floor"] == pytest.approx(over, rel=0.03)
 
     table = capsys.readouterr().out
     assert "| tiny | decode, 2 concurrent: tokens/s (ms/token) |" in table
