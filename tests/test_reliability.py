@@ -276,6 +276,18 @@ BAD_REQUESTS = {
         400,
         "this model reads at most 2048",
     ),
+    "cache_salt that is no string": (
+        "/v1/completions",
+        {"prompt": "hi", "cache_salt": 7},
+        400,
+        "cache_salt must be a non-empty string of at most 1024 characters, got 7",
+    ),
+    "empty cache_salt, chat": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "cache_salt": ""},
+        400,
+        "cache_salt must be a non-empty string",
+    ),
     "unknown model": (
         "/v1/completions",
         {"prompt": "hi", "model": "no-such-org/no-such-model"},
@@ -289,6 +301,32 @@ BAD_REQUESTS = {
 def radix_server(serve):
     with serve("--plugin", "radix") as server:
         yield server
+
+
+def test_cache_salt_keeps_tenants_apart(radix_server):
+    """Only requests with the same cache_salt share cached pages; requests without one
+    share with each other, as before."""
+    prompt = "Tenant isolation: " + " ".join(soak.WORDS[i % len(soak.WORDS)] for i in range(60))
+
+    def cached(**extra) -> int:
+        r = completion(radix_server, prompt, **extra)
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    assert cached(cache_salt="tenant-a") > 32
+    assert cached() > 32
+    chat = {"messages": [{"role": "user", "content": prompt}], **GREEDY, "max_tokens": 4}
+    usage = [
+        radix_server.post("/v1/chat/completions", {**chat, "cache_salt": salt})["usage"]
+        for salt in ("tenant-c", "tenant-d", "tenant-c")
+    ]
+    assert [u["prompt_tokens_details"]["cached_tokens"] > 32 for u in usage] == [
+        False,
+        False,
+        True,
+    ]
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))

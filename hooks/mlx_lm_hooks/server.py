@@ -12,11 +12,13 @@ so it is refused with HTTP 400, as are a prompt longer than the model's context 
 the tokenizer rejects (stock: 404); stock's listen backlog of 5 resets connections when
 more clients connect at once; a client hanging up mid-stream no longer prints a traceback;
 a request that arrives while a batch decodes joins it at the next step, where stock leaves it
-queued until the generation thread's 0.5 s time budget runs out.
+queued until the generation thread's 0.5 s time budget runs out. Requests may carry vLLM's
+``cache_salt`` (salt.py): only requests with the same salt share cached prompts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -28,6 +30,7 @@ import pluggy
 
 from .plugins import ActivationError, activate, get_plugin_manager
 from .routes import RouteRequest, RouteResponse, RouteTable
+from .salt import BadSalt, SaltedPromptCache, parse_salt
 
 log = logging.getLogger("mlx_lm_hooks")
 
@@ -174,7 +177,7 @@ def _prompt_cache(*args, **kwargs):
     cache = _hook().mlx_lm_prompt_cache(cli_args=_Installed.cli_args)
     if cache is None:
         cache = _Installed.stock["LRUPromptCache"](*args, **kwargs)
-    return cache
+    return SaltedPromptCache(cache)
 
 
 def _batch_generator(model, **kwargs):
@@ -235,6 +238,9 @@ def _response_generator_class(stock, budget):
                     f"the prompt is {len(prompt)} tokens long; this model reads at most "
                     f"{limit} (max_position_embeddings in its config)"
                 )
+            # Stock fetches this request's cache next, on this thread.
+            if isinstance(self.prompt_cache, SaltedPromptCache):
+                self.prompt_cache.salt = getattr(request, "cache_salt", None)
             return (prompt, *rest)
 
         def generate(self, request, generation_args, progress_callback=None):
@@ -309,6 +315,13 @@ def _handler_class():
             super()._set_completion_headers(status_code)
 
         def handle_completion(self, request, stop_words):
+            try:
+                request.cache_salt = parse_salt(self.body)
+            except BadSalt as e:
+                self._set_completion_headers(400)
+                self.end_headers()
+                self.wfile.write(json.dumps({"error": str(e)}).encode())
+                return
             try:
                 super().handle_completion(request, stop_words)
             except (BrokenPipeError, ConnectionResetError):

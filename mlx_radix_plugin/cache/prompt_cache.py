@@ -163,6 +163,9 @@ class RadixPromptCache:
         first = prompt_cache[0]
         if isinstance(first, PoolBackedCache) and first.table.pool is self.pool:
             table = first.table
+            # Filed under the key the pages were fetched under: the server inserts with the
+            # model's key, which a request's cache_salt extends (mlx_lm_hooks/salt.py).
+            model_key = table.model_key if table.model_key is not None else model_key
             if table.released or any(getattr(c, "table", None) is not table for c in prompt_cache):
                 return
             # Only what reached the pool: a request that ran out of pages went on privately.
