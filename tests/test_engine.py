@@ -252,3 +252,36 @@ def test_a_prompt_larger_than_the_pool_is_served_uncached(loaded, caplog):
     stats = rpc.stats()
     assert stats["pages_locked"] == 0
     assert stats["pages_free"] + stats["pages_evictable"] == stats["pages_total"]
+
+
+def test_a_request_waiting_for_room_is_passed_by_a_bounded_number_of_later_ones(loaded, caplog):
+    """Requests behind one that waits for pool room may go first while they fit, but only
+    MAX_PASSES of them: then the queue waits for it (aging), and the rest follow it."""
+    from mlx_radix_plugin.engine.generator import MAX_PASSES
+
+    caplog.set_level("WARNING", logger="mlx_radix")
+    model, tok = loaded("llama")
+    running = tok.encode("A fox and a dog walk by the river in the morning sun. " * 2)[:40]
+    large = tok.encode("Tell me a long story about hills, woods and rivers, please. " * 4)[:96]
+    smalls = [tok.encode(f"Hi {i}.")[:6] for i in range(3 * MAX_PASSES)]
+    rpc = radix(model, tokens=32 * PS)  # the large prompt's 24 pages fit only once alone
+    gen = RadixBatchGenerator(model, rpc, completion_batch_size=16, prefill_batch_size=1)
+    admit(gen, rpc, [running], 40)
+    while not len(gen._generation_batch):
+        gen.next()
+    (large_uid,) = admit(gen, rpc, [large], 4)
+    small_uids = admit(gen, rpc, smalls, 2)
+    started, done = [], set()
+    while len(done) < 2 + len(smalls):
+        for r in gen.next()[1]:
+            if r.uid not in started:
+                started.append(r.uid)
+            if r.finish_reason is not None:
+                done.add(r.uid)
+                rpc.insert_cache(KEY, r.all_tokens, r.prompt_cache)  # as the server does
+    gen.close()
+    before = started[: started.index(large_uid)]
+    assert sum(uid in small_uids for uid in before) == MAX_PASSES
+    # It waited for room rather than running uncached, and everything was given back.
+    assert "KV pool" not in caplog.text
+    assert rpc.stats()["pages_locked"] == 0

@@ -113,11 +113,8 @@ class RadixPromptCache:
         if self.share_inflight:
             producer, shared = self._inflight_match(model_key, tokens, n)
         if producer is not None:
-            # Another request admitted before this one is about to compute these pages:
-            # share them, and let the engine run this prefill after that one.
-            pages = producer.pages[n // self.pool.page_size : shared // self.pool.page_size]
-            self.pool.allocator.incref(pages)
-            table.pages.extend(pages)
+            # Another request fetched before this one is to compute these tokens: the engine
+            # runs this prefill after that one has written them, and hands it their pages then.
             table.depends = (weakref.ref(producer), n, shared)
             table.shared_tokens = n = shared
         elif match.partial_len:
@@ -126,10 +123,8 @@ class RadixPromptCache:
                 table.written = n
             except OutOfPages:
                 pass  # the server's thread must not die on a fetch: recompute those tokens
-        try:
-            table.prepare_write(n, len(tokens))  # the prompt's pages, reserved now
-        except OutOfPages:
-            pass  # allocated as the prefill goes, evicting then
+        # No page is reserved for the rest of the prompt yet: a queued request holds only
+        # what it matched, and reserves when the engine admits it (or as its prefill goes).
         self._inflight.add(table)
         self._tables.add(table)
         c = self.counters
@@ -271,13 +266,13 @@ class RadixPromptCache:
     def _inflight_match(
         self, model_key: Hashable, tokens: list[int], cached: int
     ) -> tuple[PageTable | None, int]:
-        """The admitted request whose reserved prompt pages cover most of ``tokens``."""
+        """The request not yet committed whose prompt covers most of ``tokens``."""
         ps = self.pool.page_size
         best, best_len = None, cached
         for other in list(self._inflight):
             if other.released or other.model_key != model_key:
                 continue
-            limit = min(len(other.tokens), len(tokens) - 1, other.capacity)
+            limit = min(len(other.tokens), len(tokens) - 1)
             common = len(os.path.commonprefix([other.tokens[:limit], tokens[:limit]]))
             common = common // ps * ps
             if common > best_len:

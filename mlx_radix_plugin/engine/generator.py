@@ -5,15 +5,16 @@ interleaved with decode, per-request sampling, logits processors, logprobs, stop
 sequences and removal; its batch caches become pool-backed through
 ``PoolBackedCache.merge`` (batch_cache.py). What this subclass adds:
 
-- in-flight prefix sharing: requests admitted together that share a prefix not yet
-  cached share the first one's reserved pages (``RadixPromptCache`` does that at
-  admission); their prefills start once those pages are written, so the prefix is
+- in-flight prefix sharing: requests that arrive together sharing a prefix not yet
+  cached depend on the first one (``RadixPromptCache`` records it at fetch); their
+  prefills start once it has written those pages, and take them, so the prefix is
   computed once and each prefills only its own suffix;
 - prompt pages committed to the radix tree as soon as they are written, so a
   request arriving while this one still runs hits them;
 - admission by pool room: a request whose prompt pages cannot be reserved waits in the
-  queue until running requests give pages back; one that cannot fit even with nothing
-  running is served uncached from the batch buffer;
+  queue until running requests give pages back, letting at most ``MAX_PASSES`` later
+  requests start before it; one that cannot fit even with nothing running is served
+  uncached from the batch buffer;
 - the decode path (``decode_path.py``), and each response's sampled log-probability on the
   host (``_host_logprobs``).
 """
@@ -35,6 +36,9 @@ from . import attention
 from .decode_path import RULES, DecodePath
 
 log = logging.getLogger("mlx_radix")
+
+# How many later requests may start before one that waits for pool room (aging).
+MAX_PASSES = 4
 
 
 class TokenLogprobs(mx.array):
@@ -66,6 +70,7 @@ class RadixBatchGenerator(BatchGenerator):
         self.radix = radix
         radix.share_inflight = True
         self._ran = False
+        self._passed_over: dict[int, int] = {}  # uid -> later requests started before it
         calls = attention.attention_calls(model, radix.pool) if shared_prefix != "off" else 0
         if calls is None:
             log.info(
@@ -92,6 +97,8 @@ class RadixBatchGenerator(BatchGenerator):
         table = _table(sequence)
         if table is None:
             return True
+        if table.depends is not None and not self._shares(sequence, table):
+            return False
         if not self._reserved(sequence, table):
             if others or self._ran or len(self._prompt_batch) or len(self._generation_batch):
                 return False
@@ -102,12 +109,15 @@ class RadixBatchGenerator(BatchGenerator):
                 "KV pool too small for a %d-token prompt: served uncached", len(table.tokens)
             )
             table.overflowed = True
-        if table.depends is None:
-            return True
+        return True
+
+    def _shares(self, sequence, table: PageTable) -> bool:
+        """Whether a request that shares another's prompt span may go on: it takes that
+        span's pages once they are written, or computes the span itself if the other is
+        gone. False while it waits."""
         producer_ref, start, upto = table.depends
         producer = producer_ref()
         if producer is not None and not producer.released and producer.written >= upto:
-            # The producer may have moved to other pages (it recomputed a span itself).
             ps = table.pool.page_size
             table.adopt(start, producer.pages[start // ps : upto // ps])
             table.depends = None
@@ -154,6 +164,8 @@ class RadixBatchGenerator(BatchGenerator):
         # mlx_lm.server keeps the last fetched cache in a local until its next request:
         # a removed request gives its pages and lock back now, not when that is replaced.
         tables = [] if return_prompt_caches else self._tables_of(uids)
+        for uid in uids:
+            self._passed_over.pop(uid, None)
         caches = super().remove(uids, return_prompt_caches)
         for table in tables:
             self.radix.release(table)
@@ -174,13 +186,25 @@ class RadixBatchGenerator(BatchGenerator):
 
     def _make_batch(self, n: int):
         # Only requests whose shared prefix is written may start their prefill; the
-        # others keep their place in the queue.
-        ready = []
+        # others keep their place in the queue. A request waiting for pool room lets later
+        # ones that fit go first, but only MAX_PASSES of them: then nothing behind it starts
+        # until running requests have given it room, so it starts within a bounded time.
+        ready, waiting_for_room = [], []
         for s in self._unprocessed_sequences:
             if len(ready) == n:
                 break
             if self._admissible(s, others=bool(ready)):
                 ready.append(s)
+                for uid in waiting_for_room:
+                    self._passed_over[uid] = self._passed_over.get(uid, 0) + 1
+                continue
+            table = _table(s)
+            if table is not None and table.depends is None:  # it waits for room
+                if self._passed_over.get(s[0], 0) >= MAX_PASSES:
+                    break
+                waiting_for_room.append(s[0])
+        for s in ready:
+            self._passed_over.pop(s[0], None)
         chosen = {id(s) for s in ready}
         waiting = [s for s in self._unprocessed_sequences if id(s) not in chosen]
         self._unprocessed_sequences = deque(ready + waiting)
