@@ -244,3 +244,34 @@ def test_a_waiting_request_ends_the_decode_budget_after_one_step():
     generator.requests.put("a request")
     assert sum(1 for _ in budget) == 1
     assert sum(1 for _ in budget) == 1  # each look at the queue runs one step first
+
+
+def test_a_failed_step_fails_its_batch_and_the_server_goes_on(model_dirs, tmp_path):
+    """Stock's generation thread dies with the first exception in a step, and every later
+    request gets "generation thread died"; here that batch's requests get an error (an
+    error event on a stream, 503 otherwise) and the next requests are served."""
+    from boom_plugin import ARMED_MAX_TOKENS, FAIL_AFTER
+
+    port = free_port()
+    script = str(Path(__file__).parent / "boom_plugin.py")
+    cmd = [sys.executable, script, "--model", str(model_dirs["llama"]), "--port", str(port)]
+    env = server_env(tmp_path)
+    env["PYTHONPATH"] += ":" + str(Path(__file__).parent)
+    greedy = {"temperature": 0.0, "logit_bias": NO_EOS}
+    with Server(cmd, env, port, tmp_path / "log") as server:
+        ok = {"prompt": "Where is Paris?", "max_tokens": 8, **greedy}
+        before = server.post("/v1/completions", ok)["choices"][0]["text"]
+        armed = {"prompt": "Tell me a story.", "max_tokens": ARMED_MAX_TOKENS, **greedy}
+        events = server.stream("/v1/completions", armed)
+        texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
+        assert len(texts) == FAIL_AFTER
+        assert "injected failure in a decode step" in events[-1]["error"]
+        assert "send it again" in events[-1]["error"]
+        with pytest.raises(RuntimeError, match="503 .*injected failure in a decode step"):
+            server.post("/v1/completions", armed)
+        # The server goes on: healthy, and the same answers as before the failures.
+        assert server.get("/health")[0] == 200
+        assert server.post("/v1/completions", ok)["choices"][0]["text"] == before
+        log = server.output()
+    assert log.count("a generation step failed") == 2
+    assert "Exception occurred during processing of request" not in log  # no handler died

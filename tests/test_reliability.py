@@ -152,7 +152,9 @@ def test_a_pool_fifty_times_too_small_evicts_and_still_answers_like_stock(serve,
     # Evicting a page some running request still read would change its answer.
     assert answers(outcomes) == answers(stock.outcomes)
     assert long["usage"]["prompt_tokens"] > SMALL_POOL
-    assert long["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # At most the matched part of one page, copied at fetch when a page is free for it; the
+    # rest is computed (stock reported 2 here too).
+    assert long["usage"]["prompt_tokens_details"]["cached_tokens"] < PAGE
     assert long["choices"][0]["text"] == stock.long["choices"][0]["text"]
     assert soak.idle_violations(busy) == [] and soak.idle_violations(after) == []
     assert again["choices"][0]["text"]

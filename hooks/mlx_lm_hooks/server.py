@@ -12,18 +12,23 @@ so it is refused with HTTP 400, as are a prompt longer than the model's context 
 the tokenizer rejects (stock: 404); stock's listen backlog of 5 resets connections when
 more clients connect at once; a client hanging up mid-stream no longer prints a traceback;
 a request that arrives while a batch decodes joins it at the next step, where stock leaves it
-queued until the generation thread's 0.5 s time budget runs out. Requests may carry vLLM's
+queued until the generation thread's 0.5 s time budget runs out. A step that fails (a CUDA
+out-of-memory error, say) fails the requests of its batch with HTTP 503 or an error event,
+where stock's generation thread dies for good. Requests may carry vLLM's
 ``cache_salt`` (salt.py): only requests with the same salt share cached prompts.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
+from queue import Queue
 from urllib.parse import urlsplit
 
 import pluggy
@@ -53,6 +58,25 @@ class RequestRefused(ValueError):
 
 class ModelUnavailable(LookupError):
     """The model a request names cannot be loaded; the client gets HTTP 404 (as stock)."""
+
+
+class GenerationFailed(RuntimeError):
+    """A step of the batch this request was in failed; the client gets HTTP 503 (or an error
+    event on a stream) and the server goes on serving."""
+
+
+class _RequestQueue(Queue):
+    """The generation thread's queue of requests, remembering each one's response queue
+    (while its handler still holds it) so that a failed step can answer them."""
+
+    def __init__(self):
+        super().__init__()
+        self.responses: weakref.WeakSet = weakref.WeakSet()
+
+    def put(self, item, block=True, timeout=None):
+        if isinstance(item, tuple):  # (response queue, request, arguments)
+            self.responses.add(item[0])
+        super().put(item, block, timeout)
 
 
 def context_length(model: object) -> int | None:
@@ -221,6 +245,43 @@ def _response_generator_class(stock, budget):
             # rank-local look at the queue would put them out of step.
             if not self._is_distributed:
                 self._time_budget = budget(lambda: not self.requests.empty())
+            # Set before any request can arrive: the HTTP server starts after this.
+            self.requests = _RequestQueue()
+
+        def _run_generate(self):
+            # Stock lets an exception in a step (a CUDA out-of-memory error, say) end this
+            # thread, and every later request gets "generation thread died". Here the requests
+            # the failed loop held get an error, what it held is freed, and a new loop serves
+            # the queue. Distributed ranks keep stock's behaviour: they would have to agree.
+            if self._is_distributed:
+                return super()._run_generate()
+            while not self._stop:
+                try:
+                    self._generate()
+                    return
+                except Exception as e:
+                    log.exception("a generation step failed; its requests get an error")
+                    self._fail_taken_requests(e)
+
+        def _fail_taken_requests(self, error: Exception) -> None:
+            """Answer every request the failed loop had taken from the queue with an error,
+            then drop what it held (its batch, its caches: their pages go back)."""
+            # Remembered first, then queued: a request arriving in between is in both, and
+            # one arriving after is in neither; either way it is served, not failed.
+            remembered = list(self.requests.responses)
+            with self.requests.mutex:
+                waiting = {id(item[0]) for item in self.requests.queue}
+            failed = GenerationFailed(
+                f"the batch this request was in failed ({type(error).__name__}: {error}); "
+                "the server goes on: send it again"
+            )
+            for response_queue in remembered:
+                if id(response_queue) not in waiting:
+                    response_queue.put(failed)
+            gc.collect()
+            import mlx.core as mx  # not at the top: MLX is imported after blas.preload()
+
+            mx.clear_cache()
 
         def _tokenize(self, tokenizer, request, args):
             # Runs on the generation thread, inside the try that turns an exception into
@@ -309,9 +370,14 @@ def _handler_class():
 
         def _set_completion_headers(self, status_code: int = 200):
             # Stock answers 404 to whatever stops a request before its first token; a
-            # refused request is the client's error. It is the exception being handled.
-            if status_code == 404 and isinstance(sys.exc_info()[1], RequestRefused):
-                status_code = 400
+            # refused request is the client's error, a failed step the server's (retry).
+            # It is the exception being handled.
+            if status_code == 404:
+                error = sys.exc_info()[1]
+                if isinstance(error, RequestRefused):
+                    status_code = 400
+                elif isinstance(error, GenerationFailed):
+                    status_code = 503
             super()._set_completion_headers(status_code)
 
         def handle_completion(self, request, stop_words):
@@ -328,6 +394,25 @@ def _handler_class():
                 # The client hung up; stock has already told the generation thread to stop.
                 self.close_connection = True
                 log.info("client %s hung up before its response ended", self.client_address[0])
+            except GenerationFailed as e:
+                self._answer_failure(e)
+
+        def _answer_failure(self, error: GenerationFailed) -> None:
+            """A step failed after this response began: a stream gets an error event; a
+            response whose headers are still buffered becomes a 503."""
+            self.close_connection = True
+            body = json.dumps({"error": str(error)})
+            if self.stream:
+                self.wfile.write(f"data: {body}\n\n".encode())
+                self.wfile.flush()
+                return
+            self._headers_buffer = []  # the 200 stock prepared was never sent
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self._set_cors_headers()
+            self.end_headers()
+            self.wfile.write(body.encode())
 
         def do_GET(self):
             if not self._plugin_route("GET"):
