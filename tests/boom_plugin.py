@@ -10,42 +10,50 @@ ARMED_MAX_TOKENS = 13
 FAIL_AFTER = 3  # tokens the armed request streams before its step fails
 
 
-class FailingBatchGenerator(BatchGenerator):
-    def __init__(self, model, **kwargs):
-        super().__init__(model, **kwargs)
-        self.armed: dict[int, int] = {}  # uid -> tokens generated
+def arm(generator):
+    """Make ``generator`` (mlx-lm's BatchGenerator or a plugin's) fail a decode step of any
+    request asking for ARMED_MAX_TOKENS tokens, once it has streamed FAIL_AFTER."""
+    armed: dict[int, int] = {}  # uid -> tokens generated
+    insert_segments, step = generator.insert_segments, generator.next
 
-    def insert_segments(self, segments, max_tokens=None, *args, **kwargs):
-        uids = super().insert_segments(segments, max_tokens, *args, **kwargs)
+    def insert(segments, max_tokens=None, *args, **kwargs):
+        uids = insert_segments(segments, max_tokens, *args, **kwargs)
         for uid, n in zip(uids, max_tokens or []):
             if n == ARMED_MAX_TOKENS:
-                self.armed[uid] = 0
+                armed[uid] = 0
         return uids
 
-    def next(self):
-        prompt_responses, responses = super().next()
+    def next_step():
+        prompt_responses, responses = step()
         for r in responses:
-            if r.uid in self.armed:
-                self.armed[r.uid] += 1
-                if self.armed[r.uid] > FAIL_AFTER:
+            if r.uid in armed:
+                armed[r.uid] += 1
+                if armed[r.uid] > FAIL_AFTER:
                     raise RuntimeError("injected failure in a decode step")
         return prompt_responses, responses
 
+    generator.insert_segments, generator.next = insert, next_step
+    return generator
+
 
 class Boom:
-    @hookimpl
+    @hookimpl(hookwrapper=True)
     def mlx_lm_batch_generator(self, model, kwargs):
-        return FailingBatchGenerator(model, **kwargs)
+        outcome = yield
+        generator = outcome.get_result() or BatchGenerator(model, **kwargs)
+        outcome.force_result(arm(generator))
 
 
 def main() -> None:
-    """``python boom_plugin.py [mlx_lm.server args]``: serve with only this plugin active."""
+    """``python boom_plugin.py [PLUGIN,...] [mlx_lm.server args]``: serve with this plugin
+    and the named ones active."""
     from mlx_lm_hooks.plugins import get_plugin_manager
     from mlx_lm_hooks.server import serve
 
     pm = get_plugin_manager()
     pm.register(Boom(), name="boom")
-    serve([], sys.argv[1:], pm)
+    names = sys.argv[1].split(",") if not sys.argv[1].startswith("-") else []
+    serve(names, sys.argv[1 + bool(names) :], pm)
 
 
 if __name__ == "__main__":

@@ -246,15 +246,18 @@ def test_a_waiting_request_ends_the_decode_budget_after_one_step():
     assert sum(1 for _ in budget) == 1  # each look at the queue runs one step first
 
 
-def test_a_failed_step_fails_its_batch_and_the_server_goes_on(model_dirs, tmp_path):
+@pytest.mark.parametrize("plugins", [[], ["radix"]])
+def test_a_failed_step_fails_its_batch_and_the_server_goes_on(model_dirs, tmp_path, plugins):
     """Stock's generation thread dies with the first exception in a step, and every later
     request gets "generation thread died"; here that batch's requests get an error (an
-    error event on a stream, 503 otherwise) and the next requests are served."""
+    error event on a stream, 503 otherwise), what they held is given back, and the next
+    requests are served."""
     from boom_plugin import ARMED_MAX_TOKENS, FAIL_AFTER
 
     port = free_port()
     script = str(Path(__file__).parent / "boom_plugin.py")
-    cmd = [sys.executable, script, "--model", str(model_dirs["llama"]), "--port", str(port)]
+    cmd = [sys.executable, script, *[",".join(plugins)] * bool(plugins)]
+    cmd += ["--model", str(model_dirs["llama"]), "--port", str(port)]
     env = server_env(tmp_path)
     env["PYTHONPATH"] += ":" + str(Path(__file__).parent)
     greedy = {"temperature": 0.0, "logit_bias": NO_EOS}
@@ -272,6 +275,10 @@ def test_a_failed_step_fails_its_batch_and_the_server_goes_on(model_dirs, tmp_pa
         # The server goes on: healthy, and the same answers as before the failures.
         assert server.get("/health")[0] == 200
         assert server.post("/v1/completions", ok)["choices"][0]["text"] == before
+        if plugins:  # the failed requests' pages went back: nothing holds any
+            stats = json.loads(server.get("/v1/cache/stats")[1])
+            assert stats["fallback"] is None and stats["hits"] >= 1  # the radix engine ran
+            assert stats["pages_locked"] == stats["requests_holding_pages"] == 0, stats
         log = server.output()
     assert log.count("a generation step failed") == 2
     assert "Exception occurred during processing of request" not in log  # no handler died

@@ -261,19 +261,21 @@ def _response_generator_class(stock, budget):
                     return
                 except Exception as e:
                     log.exception("a generation step failed; its requests get an error")
-                    self._fail_taken_requests(e)
+                    error = f"{type(e).__name__}: {e}"
+                # Out of the except block: the failed loop's frames (its batch, its caches)
+                # went with the exception's traceback, and can be collected now.
+                self._fail_taken_requests(error)
 
-        def _fail_taken_requests(self, error: Exception) -> None:
+        def _fail_taken_requests(self, error: str) -> None:
             """Answer every request the failed loop had taken from the queue with an error,
-            then drop what it held (its batch, its caches: their pages go back)."""
+            then free what it held (its batch, its caches: their pages go back)."""
             # Remembered first, then queued: a request arriving in between is in both, and
             # one arriving after is in neither; either way it is served, not failed.
             remembered = list(self.requests.responses)
             with self.requests.mutex:
                 waiting = {id(item[0]) for item in self.requests.queue}
             failed = GenerationFailed(
-                f"the batch this request was in failed ({type(error).__name__}: {error}); "
-                "the server goes on: send it again"
+                f"the batch this request was in failed ({error}); the server goes on: send it again"
             )
             for response_queue in remembered:
                 if id(response_queue) not in waiting:
