@@ -150,6 +150,17 @@ def question(tok, i):
     return tok.encode(f" Question {i}: where is city {i}?")
 
 
+def on_a_shared_prefix(model, tok, rows: int, max_tokens: int, pool_tokens: int = 4096):
+    """An engine with ``rows`` requests on one cached prefix, each with its question,
+    admitted (``shared_prefix = "on"``); returns it and its ``RadixPromptCache``."""
+    prefix = prefix_of(tok)
+    rpc = radix(model, tokens=pool_tokens)
+    warm(model, rpc, [prefix])
+    gen = RadixBatchGenerator(model, rpc, shared_prefix="on", completion_batch_size=8)
+    admit(gen, rpc, [prefix + question(tok, i) for i in range(rows)], [max_tokens] * rows)
+    return gen, rpc
+
+
 @pytest.fixture(params=["split", "masked"])
 def variant(request, monkeypatch):
     """Both ways of computing the shared path, whatever this machine's device picks."""
@@ -226,13 +237,9 @@ def test_pool_writes_stay_in_place_while_layers_read_the_pool(loaded):
     evaluated after the logits: MLX updates the pool's arrays in place. A write evaluated
     with a read of the same array would copy the array (twice the memory of one)."""
     model, tok = loaded("llama")
-    prefix = prefix_of(tok)
-    prompts = [prefix + question(tok, i) for i in range(4)]
-    rpc = radix(model, tokens=200_000)  # pool arrays of 25 MB, against a few MB of step
+    # Pool arrays of 25 MB, against a few MB of step.
+    gen, rpc = on_a_shared_prefix(model, tok, 4, 20, pool_tokens=200_000)
     array_bytes = rpc.pool.keys[0].nbytes
-    warm(model, rpc, [prefix])
-    gen = RadixBatchGenerator(model, rpc, shared_prefix="on", completion_batch_size=8)
-    admit(gen, rpc, prompts, [20] * 4)
     while gen.decode_stats["decode_path"] != "shared":
         gen.next()
     mx.eval(rpc.pool.arrays)
@@ -254,12 +261,7 @@ def test_a_pass_writes_the_pool_only_once_the_pass_before_it_has_stopped_reading
     are evaluated with the next pass, after waiting for the one before (KVPool.settle), and
     the engine does not evaluate them on its own between shared steps."""
     model, tok = loaded("llama")
-    prefix = prefix_of(tok)
-    prompts = [prefix + question(tok, i) for i in range(4)]
-    rpc = radix(model)
-    warm(model, rpc, [prefix])
-    gen = RadixBatchGenerator(model, rpc, shared_prefix="on", completion_batch_size=8)
-    admit(gen, rpc, prompts, [12] * 4)
+    gen, rpc = on_a_shared_prefix(model, tok, 4, 12)
     while gen.decode_stats["decode_path"] != "shared":
         gen.next()
     gen.next()  # a pass now runs, announced as reading the pool
@@ -439,12 +441,8 @@ def test_masked_columns_are_whole_buckets_of_prefixes_and_own_tokens(loaded, mon
 
     monkeypatch.setattr(shared_batch, "MASKED_BUCKET", 64)
     model, tok = loaded("llama")
+    gen, rpc = on_a_shared_prefix(model, tok, 3, 6)
     prefix = prefix_of(tok)
-    prompts = [prefix + question(tok, i) for i in range(3)]
-    rpc = radix(model)
-    warm(model, rpc, [prefix])
-    gen = RadixBatchGenerator(model, rpc, shared_prefix="on", completion_batch_size=8)
-    admit(gen, rpc, prompts, [6] * 3)
     seen = []
     real = attention.masked_attention
 
