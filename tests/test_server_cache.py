@@ -171,3 +171,22 @@ def test_stats_read_the_pool_once_while_a_model_load_swaps_it(loaded):
 
     cache.__class__ = Swapping
     assert cache.stats()["pages_total"] == bound.pool.num_pages
+
+
+def test_one_list_of_keys_serves_the_stats_the_idle_stats_and_the_metrics(loaded):
+    """The pool's counts come from one table (POOL_STATS), decode's from DECODE_STATS: a
+    server with a pool, one without, and the metrics all name the same keys."""
+    from mlx_radix_plugin.cache.prompt_cache import POOL_STATS
+    from mlx_radix_plugin.engine.decode_path import DECODE_STATS
+    from mlx_radix_plugin.engine.decode_path import idle_stats as idle_decode
+    from mlx_radix_plugin.server.metrics import METRICS
+
+    model, _ = loaded("llama")
+    unbound = make("0.25").stats()
+    bound = make("0.25")
+    bound.bind(model, ("m", None, None))
+    assert set(bound.stats()) == set(unbound)
+    assert set(POOL_STATS) <= set(unbound)
+    assert set(idle_decode("auto")) == {"decode_shared_prefix", "decode_path", *DECODE_STATS}
+    # Every metric is a count some state of the server reports.
+    assert set(METRICS) <= set(unbound) | set(DECODE_STATS)

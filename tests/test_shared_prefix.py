@@ -222,6 +222,10 @@ def test_the_shared_path_holds_no_batch_buffer_and_reads_each_prefix_once(loaded
         seen.append(dict(gen.decode_stats))
         gen.close()
     exact, shared = seen
+    # A decoding batch reports the keys an idle engine does (DECODE_STATS), no more.
+    from mlx_radix_plugin.engine.decode_path import idle_stats
+
+    assert set(exact) == set(shared) == set(idle_stats("on"))
     assert exact["decode_path"] == "exact" and exact["batch_buffer_bytes"] > 0
     assert shared["decode_path"] == "shared" and shared["batch_buffer_bytes"] == 0
     assert shared["decode_rows"] == 4 and shared["decode_groups"] == 1

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from functools import partial, wraps
 from typing import Any
 
@@ -37,20 +37,9 @@ def _locked(method):
     return run
 
 
-# Who holds pages: all zero, and page_refs == pages_cached, once no request runs.
-HOLDERS = ("pages_cached", "page_refs", "tree_locks", "requests_holding_pages")
-
-
 def idle_stats(page_size: int, fallback: str | None) -> dict:
     """What ``RadixPromptCache.stats`` shows, for a server with no pool."""
-    pool_keys = ("pool_bytes_used", "pool_bytes_total", "pages_total", "pages_free")
-    pages = ("pages_locked", "pages_evictable", "cached_sequences", *HOLDERS)
-    return {
-        **asdict(CacheCounters()),
-        **dict.fromkeys(pool_keys + pages, 0),
-        "page_size": page_size,
-        "fallback": fallback,
-    }
+    return {**dict.fromkeys(POOL_STATS, 0), "page_size": page_size, "fallback": fallback}
 
 
 @dataclass
@@ -219,24 +208,9 @@ class RadixPromptCache:
 
     @_locked
     def stats(self) -> dict[str, int]:
-        alloc = self.pool.allocator
-        evictable = self.tree.evictable_pages
         return {
-            **asdict(self.counters),
-            "pool_bytes_used": self.pool.used_bytes,
-            "pool_bytes_total": self.pool.nbytes,
-            "pages_total": alloc.num_pages,
-            "pages_free": alloc.num_free,
-            "pages_locked": alloc.num_used - evictable,
-            "pages_evictable": evictable,
+            **{key: read(self) for key, read in POOL_STATS.items()},
             "page_size": self.pool.page_size,
-            "cached_sequences": len(self),
-            "pages_cached": self.tree.total_pages,
-            "page_refs": alloc.total_refs,
-            "tree_locks": self.tree.locks,
-            # Fetched and not yet given back (releases queued by dropped caches have run:
-            # every locked method runs them first).
-            "requests_holding_pages": sum(not t.released for t in self._tables),
         }
 
     # -- internals -----------------------------------------------------------------
@@ -328,3 +302,29 @@ class RadixPromptCache:
         for i, c in enumerate(prompt_cache):
             self.pool.write(i, slots, c.keys[..., lo:hi, :], c.values[..., lo:hi, :])
         self.tree.insert(model_key, list(tokens[:hi]), match.pages + pages)
+
+
+# Every count ``RadixPromptCache.stats`` reports, and how it is read: the one list of these
+# keys (``idle_stats`` shows them as 0; server/metrics.py exports them under these names).
+# Once no request runs, the last four show nobody holds a page: page_refs == pages_cached,
+# and the other three are 0.
+POOL_STATS: dict[str, Callable[[RadixPromptCache], int]] = {
+    "hits": lambda c: c.counters.hits,
+    "misses": lambda c: c.counters.misses,
+    "prompt_tokens": lambda c: c.counters.prompt_tokens,
+    "cached_tokens": lambda c: c.counters.cached_tokens,
+    "evictions": lambda c: c.counters.evictions,
+    "pool_bytes_used": lambda c: c.pool.used_bytes,
+    "pool_bytes_total": lambda c: c.pool.nbytes,
+    "pages_total": lambda c: c.pool.allocator.num_pages,
+    "pages_free": lambda c: c.pool.allocator.num_free,
+    "pages_locked": lambda c: c.pool.allocator.num_used - c.tree.evictable_pages,
+    "pages_evictable": lambda c: c.tree.evictable_pages,
+    "cached_sequences": lambda c: len(c),
+    "pages_cached": lambda c: c.tree.total_pages,
+    "page_refs": lambda c: c.pool.allocator.total_refs,
+    "tree_locks": lambda c: c.tree.locks,
+    # Fetched and not yet given back (releases queued by dropped caches have run: every
+    # locked method runs them first).
+    "requests_holding_pages": lambda c: sum(not t.released for t in c._tables),
+}

@@ -63,20 +63,23 @@ RULES = {
 }
 
 
+# The counts ``DecodePath.stats`` reports (besides the mode and the path): the one list of
+# these keys (``idle_stats`` shows them as 0; server/metrics.py exports them).
+DECODE_STATS = (
+    "decode_rows",
+    "decode_groups",
+    "decode_shared_tokens",
+    "batch_buffer_bytes",
+    "decode_buffer_bytes",
+    "prefill_buffer_bytes",
+    "decode_steps_shared",
+    "decode_steps_exact",
+)
+
+
 def idle_stats(mode: str) -> dict:
     """``DecodePath.stats`` while nothing decodes."""
-    return {
-        "decode_shared_prefix": mode,
-        "decode_path": None,
-        "decode_rows": 0,
-        "decode_groups": 0,
-        "decode_shared_tokens": 0,
-        "batch_buffer_bytes": 0,
-        "decode_buffer_bytes": 0,
-        "prefill_buffer_bytes": 0,
-        "decode_steps_shared": 0,
-        "decode_steps_exact": 0,
-    }
+    return {"decode_shared_prefix": mode, "decode_path": None, **dict.fromkeys(DECODE_STATS, 0)}
 
 
 class DecodePath:
@@ -151,9 +154,7 @@ class DecodePath:
         ps = rows.pool.page_size if isinstance(rows, BatchRows) else 0
         decode_bytes = sum(c.nbytes for c in caches)
         prefill_bytes = sum(c.nbytes for c in prompt.prompt_cache)
-        return {
-            "decode_shared_prefix": self.mode,
-            "decode_path": None if not caches else "shared" if shared else "exact",
+        counts = {
             "decode_rows": len(generation),
             "decode_groups": sum(len(g.rows) > 1 for g in groups),
             "decode_shared_tokens": sum(g.tokens(ps) for g in groups if len(g.rows) > 1),
@@ -163,6 +164,11 @@ class DecodePath:
             "decode_buffer_bytes": decode_bytes,
             "prefill_buffer_bytes": prefill_bytes,
             **self._step_counts(),
+        }
+        return {
+            "decode_shared_prefix": self.mode,
+            "decode_path": None if not caches else "shared" if shared else "exact",
+            **{key: counts[key] for key in DECODE_STATS},
         }
 
     def _step_counts(self) -> dict:
