@@ -386,9 +386,7 @@ def _handler_class():
             try:
                 request.cache_salt = parse_salt(self.body)
             except BadSalt as e:
-                self._set_completion_headers(400)
-                self.end_headers()
-                self.wfile.write(json.dumps({"error": str(e)}).encode())
+                self._send_error(400, str(e))
                 return
             try:
                 super().handle_completion(request, stop_words)
@@ -403,18 +401,19 @@ def _handler_class():
             """A step failed after this response began: a stream gets an error event; a
             response whose headers are still buffered becomes a 503."""
             self.close_connection = True
-            body = json.dumps({"error": str(error)})
             if self.stream:
-                self.wfile.write(f"data: {body}\n\n".encode())
+                self.wfile.write(f"data: {json.dumps({'error': str(error)})}\n\n".encode())
                 self.wfile.flush()
                 return
             self._headers_buffer = []  # the 200 stock prepared was never sent
-            self.send_response(503)
-            self.send_header("Content-Type", "application/json")
+            self._send_error(503, str(error))
+
+        def _send_error(self, status: int, message: str) -> None:
+            body = json.dumps({"error": message}).encode()
+            self._set_completion_headers(status)
             self.send_header("Content-Length", str(len(body)))
-            self._set_cors_headers()
             self.end_headers()
-            self.wfile.write(body.encode())
+            self.wfile.write(body)
 
         def do_GET(self):
             if not self._plugin_route("GET"):

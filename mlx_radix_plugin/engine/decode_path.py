@@ -63,8 +63,8 @@ RULES = {
 }
 
 
-# The counts ``DecodePath.stats`` reports (besides the mode and the path): the one list of
-# these keys (``idle_stats`` shows them as 0; server/metrics.py exports them).
+# The counts ``DecodePath.stats`` reports besides the mode and the path (``idle_stats`` shows
+# them as 0; server/metrics.py exports them; tests hold a running batch's stats to these keys).
 DECODE_STATS = (
     "decode_rows",
     "decode_groups",
@@ -154,7 +154,9 @@ class DecodePath:
         ps = rows.pool.page_size if isinstance(rows, BatchRows) else 0
         decode_bytes = sum(c.nbytes for c in caches)
         prefill_bytes = sum(c.nbytes for c in prompt.prompt_cache)
-        counts = {
+        return {
+            "decode_shared_prefix": self.mode,
+            "decode_path": None if not caches else "shared" if shared else "exact",
             "decode_rows": len(generation),
             "decode_groups": sum(len(g.rows) > 1 for g in groups),
             "decode_shared_tokens": sum(g.tokens(ps) for g in groups if len(g.rows) > 1),
@@ -164,11 +166,6 @@ class DecodePath:
             "decode_buffer_bytes": decode_bytes,
             "prefill_buffer_bytes": prefill_bytes,
             **self._step_counts(),
-        }
-        return {
-            "decode_shared_prefix": self.mode,
-            "decode_path": None if not caches else "shared" if shared else "exact",
-            **{key: counts[key] for key in DECODE_STATS},
         }
 
     def _step_counts(self) -> dict:
