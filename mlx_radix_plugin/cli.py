@@ -170,7 +170,7 @@ def doctor(model_path, config_file):
     import mlx.core as mx
     import mlx_lm
 
-    from .memory.budget import device_memory, pool_budget_bytes
+    from .memory.budget import device_memory
     from .server.mlx_lm_internals import MLX_LM_VERSION, missing
 
     cfg = _config_or_exit(path=config_file)
@@ -186,8 +186,6 @@ def doctor(model_path, config_file):
         "memory_source": mem.source,
         **_blas_report(),
     }
-    frac = cfg["radix.mem_fraction"]
-    report["pool_budget_bytes_before_model"] = pool_budget_bytes(frac, 0, mem)
     if model_path:
         report.update(_model_report(model_path, cfg, mem))
     width = max(map(len, report))
@@ -216,37 +214,41 @@ def _blas_report() -> dict:
 
 
 def _model_report(model_path, cfg, mem) -> dict:
+    """Whether the model takes the radix path, and the memory plan: usable memory, the
+    model, working memory, the margin and the pool's ceiling (what the server will do)."""
     from mlx_lm import load
 
-    from .memory.allocator import OutOfPages
-    from .memory.pool import UnsupportedModel, inspect_model, model_nbytes, plan_pool_tokens
+    from .memory.pool import KVPool, UnsupportedModel, model_nbytes
 
     model, _ = load(model_path)
     out = {"model": model_path, "model_bytes": model_nbytes(model)}
     try:
-        specs, dtype = inspect_model(model)
+        pool = KVPool.for_model(
+            model,
+            page_size=cfg["radix.page_size"],
+            pool_tokens=cfg["radix.pool_tokens"] or None,
+            mem_fraction=cfg["radix.mem_fraction"],
+            memory=mem,
+            max_batch_size=cfg["decode.max_batch_size"],
+            chunk_bytes=cfg["radix.chunk_mib"] << 20 or None,
+        )
     except UnsupportedModel as e:
         return {**out, "radix_path": False, "why_not": str(e)}
-    per_token = sum(s.bytes_per_token(dtype) for s in specs)
+    plan = pool.plan
     out.update(
         radix_path=True,
-        kv_dtype=str(dtype),
-        kv_bytes_per_token=per_token,
-        sliding_window_layers=sum(s.window is not None for s in specs),
+        kv_dtype=str(pool.dtype),
+        kv_bytes_per_token=pool.bytes_per_token,
+        sliding_window_layers=sum(s.window is not None for s in pool.specs),
+        plan_working_bytes=plan.working_bytes,
+        plan_margin_bytes=plan.margin_bytes,
+        plan_rule=plan.rule,
+        pool_max_tokens=pool.max_pages * pool.page_size,
+        pool_max_bytes=pool.max_nbytes,
+        pool_chunk_bytes=pool.chunk_slots * pool.bytes_per_token,
     )
-    if cfg["radix.pool_tokens"]:
-        out["pool_tokens"] = cfg["radix.pool_tokens"]
-        return out
-    try:
-        out["pool_tokens"] = plan_pool_tokens(
-            per_token,
-            page_size=cfg["radix.page_size"],
-            mem_fraction=cfg["radix.mem_fraction"],
-            model_bytes=out["model_bytes"],
-            memory=mem,
-        )
-    except OutOfPages as e:
-        out["pool_tokens"] = f"none: {e}"
+    if plan.warning:
+        out["plan_warning"] = plan.warning
     return out
 
 

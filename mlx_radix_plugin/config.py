@@ -26,6 +26,7 @@ ENV_PREFIX = "MLX_RADIX_"
 CONFIG_ENV = "MLX_RADIX_CONFIG"
 CACHE_ENV = "MLX_RADIX_CACHE_DIR"  # where the default model is kept (default_model.py)
 BLAS_ENV = "MLX_RADIX_BLAS"  # "off": no OpenBLAS preload (mlx_lm_hooks.blas); not a setting
+DEVICE_MEMORY_ENV = "MLX_RADIX_DEVICE_MEMORY"  # usable bytes, for the plan (budget.py); not one
 APP_NAME = "mlx-radix"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -70,11 +71,18 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "radix.mem_fraction",
-        0.4,
-        "share of device memory for the model and the pool when pool_tokens is 0",
+        0.0,
+        "share of device memory for the model and the pool, when pool_tokens is 0; 0: usable "
+        "memory less the model, the batches' working memory and a margin",
         minimum=0.0,
         maximum=1.0,
-        exclusive_minimum=True,
+    ),
+    Setting(
+        "radix.chunk_mib",
+        0,
+        "the pool grows, and gives memory back, in chunks of this many MiB; 0: a 32nd of its "
+        "ceiling within 64 MiB to 1 GiB (an 8th within 256 MiB to 16 GiB on CUDA)",
+        minimum=0,
     ),
     Setting(
         "radix.buffer_cache_fraction",
@@ -98,6 +106,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_level", "INFO", "log level of mlx-radix", choices=LOG_LEVELS),
 )
 BY_KEY = {s.key: s for s in SETTINGS}
+NOT_SETTINGS = (CONFIG_ENV, CACHE_ENV, BLAS_ENV, DEVICE_MEMORY_ENV)
 BY_ENV = {s.env: s for s in SETTINGS}
 
 
@@ -227,7 +236,7 @@ def load_config(
             values[key], sources[key] = value, f"file {file}"
 
     for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in (CONFIG_ENV, CACHE_ENV, BLAS_ENV):
+        if not name.startswith(ENV_PREFIX) or name in NOT_SETTINGS:
             continue
         if name not in BY_ENV:
             raise _unknown(name, "the environment", BY_ENV)

@@ -44,3 +44,14 @@ def loaded(model_dirs):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(params=["one chunk", "a chunk a page"])
+def chunking(request, monkeypatch):
+    """Pools that ``KVPool.for_model`` builds in one chunk (what the tests' small pools get)
+    or in a chunk a page, so that every read of several pages spans chunks."""
+    if request.param == "a chunk a page":
+        from mlx_radix_plugin.memory import pool
+
+        monkeypatch.setattr(pool, "chunk_bytes_for", lambda ceiling: 1)
+    return request.param

@@ -30,6 +30,11 @@ class Probe:
         self._record("mlx_lm_batch_generator", kwargs=sorted(kwargs))
 
     @hookimpl
+    def mlx_lm_generation_idle(self):
+        if "mlx_lm_generation_idle" not in self.calls:  # once is enough to know
+            self._record("mlx_lm_generation_idle")
+
+    @hookimpl
     def mlx_lm_request_finished(self, record):
         self._record(
             "mlx_lm_request_finished",

@@ -96,30 +96,76 @@ def test_incref_and_decref_of_free_page_raise() -> None:
     assert a.refcount(p) == 0
 
 
-class AllocatorMachine(RuleBasedStateMachine):
-    """Random alloc / incref / decref against a dict of live refcounts."""
+def test_chunks_come_online_lowest_first_and_go_only_when_empty() -> None:
+    a = PageAllocator(5, chunk_pages=2, online=False)
+    assert (a.num_chunks, a.num_pages, a.num_free, a.next_chunk) == (3, 0, 0, 0)
+    with pytest.raises(OutOfPages, match="asked for 1 pages, 0 of 0 free"):
+        a.alloc(1)
+    a.add_chunk(0)
+    a.add_chunk(2)  # the last chunk holds the one page left over
+    assert (a.num_pages, a.next_chunk, a.online_chunks) == (3, 1, [0, 2])
+    assert a.alloc(3) == [0, 1, 4]
+    with pytest.raises(RuntimeError, match="chunk 2 still has 1 pages in use"):
+        a.remove_chunk(2)
+    a.decref([4])
+    a.remove_chunk(2)
+    assert (a.num_pages, a.num_free, a.online_chunks) == (2, 0, [0])
+    with pytest.raises(RuntimeError, match="chunk 2 is not online"):
+        a.remove_chunk(2)
+    with pytest.raises(RuntimeError, match="chunk 0 is already online"):
+        a.add_chunk(0)
+    with pytest.raises(ValueError, match=r"chunk_pages must be in \[1, 5\], got 6"):
+        PageAllocator(5, chunk_pages=6)
 
-    NUM_PAGES = 6
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random alloc / incref / decref, chunks coming online and going, against a dict of
+    live refcounts."""
+
+    NUM_PAGES = 7
+    CHUNK = 3  # chunks of 3, 3 and 1 pages
 
     def __init__(self) -> None:
         super().__init__()
-        self.alloc = PageAllocator(self.NUM_PAGES)
+        self.alloc = PageAllocator(self.NUM_PAGES, self.CHUNK, online=False)
         self.refs: dict[int, int] = {}  # live pages only
+        self.online: set[int] = set()  # chunks
+
+    def _pages_online(self) -> set[int]:
+        return {p for c in self.online for p in self.alloc.chunk_range(c)}
 
     def _live(self, data: st.DataObject) -> list[int]:
         # Duplicates allowed: a request may hold the same page twice in its table.
         return data.draw(st.lists(st.sampled_from(sorted(self.refs)), min_size=1, max_size=4))
 
+    @rule()
+    def add_chunk(self) -> None:
+        c = self.alloc.next_chunk
+        if c is None:
+            assert len(self.online) == self.alloc.num_chunks
+            return
+        assert c == min(set(range(self.alloc.num_chunks)) - self.online)
+        self.alloc.add_chunk(c)
+        self.online.add(c)
+
+    @rule(chunk=st.integers(0, 2))
+    def remove_chunk(self, chunk: int) -> None:
+        if chunk not in self.online or any(p in self.refs for p in self.alloc.chunk_range(chunk)):
+            with pytest.raises(RuntimeError):
+                self.alloc.remove_chunk(chunk)
+            return
+        self.alloc.remove_chunk(chunk)
+        self.online.discard(chunk)
+
     @rule(n=st.integers(0, 8))
     def allocate(self, n: int) -> None:
-        free = self.NUM_PAGES - len(self.refs)
-        if n > free:
+        free = sorted(self._pages_online() - set(self.refs))
+        if n > len(free):
             with pytest.raises(OutOfPages):
                 self.alloc.alloc(n)
             return
         pages = self.alloc.alloc(n)
-        assert len(pages) == n == len(set(pages))
-        assert all(0 <= p < self.NUM_PAGES and p not in self.refs for p in pages)
+        assert pages == free[:n]  # the lowest free pages, in order
         self.refs.update(dict.fromkeys(pages, 1))
 
     @precondition(lambda self: self.refs)
@@ -155,10 +201,16 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def counts_match_model(self) -> None:
+        online = self._pages_online()
+        assert self.alloc.online_chunks == sorted(self.online)
+        assert self.alloc.num_pages == len(online)
         assert self.alloc.num_used == len(self.refs)
-        assert self.alloc.num_free == self.NUM_PAGES - len(self.refs)
+        assert self.alloc.num_free == len(online) - len(self.refs)
         for p in range(self.NUM_PAGES):
             assert self.alloc.refcount(p) == self.refs.get(p, 0)
+        for c in range(self.alloc.num_chunks):
+            used = sum(p in self.refs for p in self.alloc.chunk_range(c))
+            assert self.alloc.chunk_used(c) == used
         assert self.alloc.total_refs == sum(self.refs.values())
 
 

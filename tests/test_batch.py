@@ -66,7 +66,7 @@ def mixed_prompts(tokenizer):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batched_outputs_equal_stock_request_by_request(loaded, arch):
+def test_batched_outputs_equal_stock_request_by_request(loaded, arch, chunking):
     model, tok = loaded(arch)
     prompts = mixed_prompts(tok)
     expected = run_batch(model, tok, prompts)
@@ -76,6 +76,7 @@ def test_batched_outputs_equal_stock_request_by_request(loaded, arch):
     assert run_batch(model, tok, prompts, rpc) == expected  # warm: prefixes from the pool
     stats = rpc.stats()
     assert stats["hits"] == 4 and stats["pages_locked"] == 0
+    assert (stats["pool_chunks"] > 1) == (chunking == "a chunk a page")
 
 
 def test_finished_requests_commit_their_pages_without_a_copy(loaded, monkeypatch):

@@ -33,7 +33,7 @@ def test_config_init_show_validate(run, tmp_path):
     assert run("config", "init", str(path)).exit_code == 2  # refuses to overwrite
     assert run("config", "init", str(path), "--force").exit_code == 0
     result = run("config", "validate", str(path))
-    assert result.exit_code == 0 and "ok (11 of 11 keys set)" in result.output
+    assert result.exit_code == 0 and "ok (12 of 12 keys set)" in result.output
     path.write_text("[radix]\npage_size = 8\n")
     shown = json.loads(run("config", "show", "--config", str(path), "--json").output)
     assert shown["radix.page_size"] == {"value": 8, "source": f"file {path}"}
@@ -79,7 +79,6 @@ def test_plugins_lists_installed_plugins_as_json(run):
 def test_doctor_reports_backend_memory_and_model(run, model_dirs):
     result = run("doctor")
     assert "backend" in result.output and "memory_usable_bytes" in result.output
-    assert "pool_budget_bytes_before_model" in result.output
     report = dict(line.split(None, 1) for line in result.output.splitlines())
     gflops, what = report["blas_gflops"].split(None, 1)
     assert float(gflops) > 0 and what == "(1024x1024 float32 matmul on the CPU)"
@@ -96,6 +95,11 @@ def test_doctor_reports_backend_memory_and_model(run, model_dirs):
     # 4 layers x 1 KV head x (16 + 16) dims x 4 bytes
     assert report["kv_bytes_per_token"] == str(4 * 1 * 32 * 4)
     assert report["kv_dtype"] == "mlx.core.float32"
+    # The plan: what the pool may grow to, after the model, working memory and a margin.
+    plan = [int(report[k]) for k in ("plan_working_bytes", "plan_margin_bytes", "pool_max_bytes")]
+    assert all(n > 0 for n in plan) and "plan_warning" not in report
+    assert report["plan_rule"] == "usable - model - working - margin"
+    assert int(report["pool_max_bytes"]) <= int(report["memory_usable_bytes"]) - sum(plan[:2])
 
 
 def test_register_commands_hook_adds_commands():

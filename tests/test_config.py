@@ -68,7 +68,10 @@ def test_env_names_and_bool_parsing():
         ),
         ("[radix]\npage_size = 0\n", r"radix.page_size = 0 .*expected an integer >= 1 and <= 4096"),
         ("[radix]\npage_size = '4'\n", r"radix.page_size = '4'.*expected an integer"),
-        ("[radix]\nmem_fraction = 0\n", r"mem_fraction = 0.*expected a number > 0.0 and <= 1.0"),
+        (
+            "[radix]\nmem_fraction = -0.5\n",
+            r"mem_fraction = -0.5.*expected a number >= 0.0 and <= 1.0",
+        ),
         ("[radix]\neviction = 'fifo'\n", r"eviction = 'fifo'.*expected one of lru, lfu"),
         ("[decode]\nbatched = 1\n", r"decode.batched = 1.*expected true or false"),
         ("[radix\n", "is not valid TOML"),

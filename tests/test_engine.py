@@ -47,7 +47,7 @@ class PrefillCounter(CountingModel):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_burst_on_a_new_prefix_computes_it_once(loaded, arch):
+def test_burst_on_a_new_prefix_computes_it_once(loaded, arch, chunking):
     model, tok = loaded(arch)
     prompts = burst(tok)
     expected = run_batch(model, tok, prompts)
@@ -203,7 +203,7 @@ def test_a_removed_request_gives_its_pages_back_while_its_cache_is_still_referen
     gen.close()
 
 
-def test_a_full_pool_never_stops_the_batch(loaded, caplog):
+def test_a_full_pool_never_stops_the_batch(loaded, caplog, chunking):
     """More live tokens than pages: requests finish as stock's, caching what fit."""
     caplog.set_level("WARNING", logger="mlx_radix")
     model, tok = loaded("llama")

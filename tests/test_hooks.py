@@ -5,6 +5,7 @@ import http.client
 import inspect
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ SPECS = sorted(n for n, f in vars(hookspecs).items() if n.startswith("mlx_lm_") 
 
 
 def test_every_spec_is_prefixed_and_documented_in_one_line():
-    assert len(SPECS) == 7
+    assert len(SPECS) == 8
     for name in SPECS:
         doc = inspect.getdoc(getattr(hookspecs, name))
         assert doc and "\n" not in doc, name
@@ -68,9 +69,14 @@ def test_every_hook_is_called_by_a_real_server(probe_server):
     probe_server.stream(
         "/v1/completions", {"prompt": "Berlin is", "max_tokens": 2, "logit_bias": NO_EOS}
     )
-    status, body = probe_server.get("/probe")
-    assert status == 200
-    calls = json.loads(body)
+    deadline = time.monotonic() + 30
+    while True:  # the generation thread goes idle within 0.1 s of the last request
+        status, body = probe_server.get("/probe")
+        assert status == 200
+        calls = json.loads(body)
+        if "mlx_lm_generation_idle" in calls or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert calls["mlx_lm_server_start"] == [{"port": probe_server.port}]
     assert calls["mlx_lm_model_loaded"][0]["layers"] == 2
     assert calls["mlx_lm_prompt_cache"] == [{"size": 10}]
@@ -78,6 +84,7 @@ def test_every_hook_is_called_by_a_real_server(probe_server):
     finished = calls["mlx_lm_request_finished"]
     assert [f["reason"] for f in finished] == ["length", "length"]
     assert [f["generated"] for f in finished] == [3, 2]
+    assert calls["mlx_lm_generation_idle"] == [{}]
     # The CLI hook runs in the CLI, not the server.
     pm = make_plugin_manager()
     probe = Probe()

@@ -45,8 +45,8 @@ def test_model_load_binds_a_pool_and_can_turn_batching_off(plugin, loaded):
     p.mlx_lm_model_loaded(model, ("m", None, None), None, args(), provider)
     assert provider.is_batchable is False
     stats = p.stats()
-    assert stats["fallback"] is None and stats["pages_total"] == 256 // 16
-    assert cache.radix.pool.num_pages == 16
+    assert stats["fallback"] is None and stats["pages_max"] == 256 // 16
+    assert cache.radix.pool.max_pages == 16
 
 
 def test_draft_model_and_kv_bits_fall_back_with_reasons(plugin, loaded):

@@ -49,20 +49,21 @@ def test_python_example_runs_and_reuses_pages(model_dirs, monkeypatch):
     assert code.count('"path/to/model"') == 1, "the example's model path moved"
     code = code.replace('"path/to/model"', repr(str(model_dirs["llama"])))
 
-    # The example sizes its pool from device memory, which on a CPU is 40% of the free RAM,
-    # allocated at once. The same sizing path runs here, on a small reading of that memory.
+    # The example's pool grows to the memory plan's ceiling, from device memory. The same
+    # sizing path runs here, on a reading of 2 GiB (a 64 MiB chunk once a request comes).
     import mlx_radix_plugin.memory.pool as pool_module
     from mlx_radix_plugin.memory.budget import DeviceMemory
 
     monkeypatch.setattr(
         pool_module,
         "device_memory",
-        lambda: DeviceMemory(backend="cpu", usable_bytes=64 << 20, source="test"),
+        lambda: DeviceMemory(backend="cpu", usable_bytes=2 << 30, source="test"),
     )
 
     namespace: dict = {}
     exec(compile(code, "README.md (Python example)", "exec"), namespace)
     ask, prompt_cache, tokenizer = (namespace[k] for k in ("ask", "prompt_cache", "tokenizer"))
+    assert prompt_cache.pool.plan.warning is None and prompt_cache.pool.nbytes == 0
 
     text = "You are a helpful assistant. Answer briefly. What is the capital of France?"
     prompt = tokenizer.encode(text)

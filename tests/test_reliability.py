@@ -407,7 +407,11 @@ BAD_CONFIGS = {
         lambda tmp: {"MLX_RADIX_CONFIG": written(tmp / "a.toml", '[radix]\npage_size = "big"\n')},
         "radix.page_size = 'big'",
     ),
-    "mem_fraction 0": (RADIX, lambda tmp: {"MLX_RADIX_MEM_FRACTION": "0"}, "expected a number > 0"),
+    "mem_fraction 1.5": (
+        RADIX,
+        lambda tmp: {"MLX_RADIX_MEM_FRACTION": "1.5"},
+        "expected a number >= 0.0 and <= 1.0",
+    ),
     "a pool smaller than a page": (
         RADIX,
         lambda tmp: {"MLX_RADIX_POOL_TOKENS": "3", "MLX_RADIX_PAGE_SIZE": "4"},

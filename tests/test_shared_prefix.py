@@ -169,7 +169,7 @@ def variant(request, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_one_group_reads_its_prefix_once_and_answers_as_stock(loaded, arch, variant):
+def test_one_group_reads_its_prefix_once_and_answers_as_stock(loaded, arch, variant, chunking):
     model, tok = loaded(arch)
     prefix = prefix_of(tok)
     prompts = [prefix + question(tok, i) for i in range(4)]
@@ -184,7 +184,7 @@ def test_one_group_reads_its_prefix_once_and_answers_as_stock(loaded, arch, vari
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_groups_joining_leaving_and_diverging_mid_page(loaded, arch, variant):
+def test_groups_joining_leaving_and_diverging_mid_page(loaded, arch, variant, chunking):
     """Two prefixes of two requests each, a request sharing nothing, one that diverges from
     a prefix mid-page; two requests join mid-decode, and requests leave at different steps."""
     model, tok = loaded(arch)
@@ -243,7 +243,7 @@ def test_pool_writes_stay_in_place_while_layers_read_the_pool(loaded):
     model, tok = loaded("llama")
     # Pool arrays of 25 MB, against a few MB of step.
     gen, rpc = on_a_shared_prefix(model, tok, 4, 20, pool_tokens=200_000)
-    array_bytes = rpc.pool.keys[0].nbytes
+    array_bytes = rpc.pool.arrays[0].nbytes
     while gen.decode_stats["decode_path"] != "shared":
         gen.next()
     mx.eval(rpc.pool.arrays)
@@ -454,7 +454,7 @@ def test_masked_columns_are_whole_buckets_of_prefixes_and_own_tokens(loaded, mon
         step = cache.step
         index, mask = step.masked_layout(keys.shape[1], cache.window)
         seen.append(
-            (step.masked_columns(), index.shape[1], mask.shape, mask.sum(axis=1).tolist(), step)
+            (step.masked_columns(), index.shape[0], mask.shape, mask.sum(axis=1).tolist(), step)
         )
         return real(queries, keys, values, cache, scale, sinks)
 

@@ -139,12 +139,13 @@ def build_tokenizer(path: Path) -> None:
     )
 
 
-def build_model(arch: str, path: Path, seed: int = 0) -> Path:
+def build_model(arch: str, path: Path, seed: int = 0, **config_overrides) -> Path:
     """Write a loadable model directory for ``arch`` at ``path``."""
     from mlx_lm.utils import _get_classes
 
     path.mkdir(parents=True, exist_ok=True)
     config = dict(CONFIGS[arch], eos_token_id=SPECIALS.index("</s>"), torch_dtype="float32")
+    config.update(config_overrides)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))

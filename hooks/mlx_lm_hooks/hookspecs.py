@@ -27,6 +27,11 @@ def mlx_lm_batch_generator(model, kwargs):
 
 
 @hookspec
+def mlx_lm_generation_idle():
+    """The generation thread has no request to serve (called about every 0.1 s meanwhile)."""
+
+
+@hookspec
 def mlx_lm_request_finished(record):
     """A request ended (finished, stopped, disconnected or failed): a RequestRecord."""
 

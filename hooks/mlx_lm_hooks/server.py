@@ -266,6 +266,18 @@ def _response_generator_class(stock, budget):
                 # went with the exception's traceback, and can be collected now.
                 self._fail_taken_requests(error)
 
+        def _next_request(self, timeout=None):
+            # Stock waits ``timeout`` for a request only when nothing is being generated;
+            # an empty wait is the idle time plugins may use (on the generation thread, where
+            # no graph is being built). Distributed ranks all get the same (shared) answer.
+            request = super()._next_request(timeout)
+            if request is None and timeout is not None:
+                try:
+                    _hook().mlx_lm_generation_idle()
+                except Exception:
+                    log.exception("a mlx_lm_generation_idle hook failed")
+            return request
+
         def _fail_taken_requests(self, error: str) -> None:
             """Answer every request the failed loop had taken from the queue with an error,
             then free what it held (its batch, its caches: their pages go back)."""

@@ -33,10 +33,12 @@ import logging
 import weakref
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from ..memory.allocator import OutOfPages
 from ..memory.pool import KVPool
+from ..memory.slots import Slots
 from .page_table import PageTable
 
 log = logging.getLogger("mlx_radix")
@@ -76,14 +78,14 @@ class BatchedDecodeContext:
                 table.overflowed = True
                 self.valid[row] = 0
                 continue
-            slots.append(table.slot(start) if step == 1 else table.slots(start, start + n))
+            slots.append(table.slot(start) if step == 1 else table.host_slots(start, start + n))
             take.extend(range(row * step, row * step + n))
         self.any = bool(slots)
-        if step == 1:
+        self.write_slots = None
+        if slots:
             # Decode: one small array from Python ints, not a slice per row and a concat.
-            self.write_slots = mx.array(slots, dtype=mx.int32) if slots else None
-        else:
-            self.write_slots = mx.concatenate(slots) if len(slots) > 1 else (slots or [None])[0]
+            host = slots if step == 1 else np.concatenate(slots)
+            self.write_slots = tables[0].pool.slots(host)
         # Rows of the flattened (batch x step) tokens that are real; None when all are.
         self.take = None if len(take) == len(tables) * step else mx.array(take, dtype=mx.int32)
 
@@ -117,7 +119,7 @@ class BatchRows:
         self.num_layers = pool.num_layers
         self.ctx: BatchedDecodeContext | None = None  # of the forward pass under way
         self.merged: list = []  # layers merged so far, while mlx-lm merges layer by layer
-        self._copy_in: tuple[tuple[int, ...], mx.array] | None = None
+        self._copy_in: tuple[tuple[int, ...], Slots] | None = None
         self._op_calls = 0
         # Shared-prefix decode (shared_batch.py): its groups and own slots, kept until rows
         # join or leave, and the pass under way.
@@ -125,20 +127,21 @@ class BatchRows:
         self.shared_pass = None
         self.version = 0  # bumped when rows join or leave
 
-    def copy_in_slots(self, lengths: list[int]) -> mx.array:
+    def copy_in_slots(self, lengths: list[int]) -> Slots:
         """Slots of every row's cached tokens, left-padded to the longest; built once.
 
-        Padding points at slot 0: the left-padding mask hides it.
+        Padding points at a slot of the batch (the left-padding mask hides it), so that it
+        touches no chunk the rows do not.
         """
         key = tuple(lengths)
         if self._copy_in is None or self._copy_in[0] != key:
             longest = max(lengths)
-            parts = []
-            for table, n in zip(self.tables, lengths):
-                if longest - n:
-                    parts.append(mx.zeros((longest - n,), mx.int32))
-                parts.append(table.slots(0, n))
-            self._copy_in = (key, mx.concatenate(parts))
+            parts = [t.host_slots(0, n) for t, n in zip(self.tables, lengths)]
+            pad = next(p[0] for p in parts if p.size)
+            host = np.concatenate(
+                [np.concatenate([np.full(longest - p.size, pad), p]) for p in parts]
+            )
+            self._copy_in = (key, self.pool.slots(host))
         return self._copy_in[1]
 
     def begin(self, step: int) -> BatchedDecodeContext:

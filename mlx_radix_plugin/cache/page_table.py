@@ -5,9 +5,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-import mlx.core as mx
+import numpy as np
 
-from ..memory.pool import KVPool
+from ..memory.pool import KVPool, page_slots
+from ..memory.slots import Slots
 
 
 class _Hold:
@@ -61,8 +62,8 @@ class PageTable:
         self._hold = _Hold(pool, self.pages, unlock)
         # Dropped without release() (a disconnect, an error): give back on the owner's thread.
         self._finalizer = weakref.finalize(self, pool.defer, self._hold)
-        self._slots: mx.array | None = None
-        self._views: dict[tuple[int, int], mx.array] = {}
+        self._slots: np.ndarray | None = None
+        self._views: dict[tuple[int, int], Slots] = {}
 
     @property
     def capacity(self) -> int:
@@ -103,15 +104,20 @@ class PageTable:
         page, offset = divmod(position, self.pool.page_size)
         return self.pages[page] * self.pool.page_size + offset
 
-    def slots(self, start: int, end: int) -> mx.array:
-        """Slot ids of tokens ``[start, end)``; built once per span, read by every layer."""
+    def host_slots(self, start: int, end: int) -> np.ndarray:
+        """Slot ids of tokens ``[start, end)`` as host integers."""
+        if self._slots is None:
+            self._slots = page_slots(self.pages, self.pool.page_size)
+        return self._slots[start:end]
+
+    def slots(self, start: int, end: int) -> Slots:
+        """Slots of tokens ``[start, end)`` as the pool reads them; built once per span,
+        read by every layer."""
         view = self._views.get((start, end))
         if view is None:
-            if self._slots is None:
-                self._slots = self.pool.slots_of(self.pages)
             if len(self._views) >= 8:
                 self._views.clear()
-            view = self._views[(start, end)] = self._slots[start:end]
+            view = self._views[(start, end)] = self.pool.slots(self.host_slots(start, end))
         return view
 
     def prepare_write(self, start: int, end: int) -> None:
@@ -133,8 +139,8 @@ class PageTable:
             del self.pages[keep:]
             if partial:
                 page = fresh.pop(0)
-                src = dropped[0] * ps + mx.arange(partial, dtype=mx.int32)
-                self.pool.copy(src, page * ps + mx.arange(partial, dtype=mx.int32))
+                offsets = np.arange(partial)
+                self.pool.copy(dropped[0] * ps + offsets, page * ps + offsets)
                 self.pages.append(page)
             self.pool.release_pages(dropped)
             self.shared_tokens = keep * ps

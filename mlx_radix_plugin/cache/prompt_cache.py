@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import partial, wraps
 from typing import Any
 
-import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..memory.allocator import OutOfPages
@@ -232,8 +232,8 @@ class RadixPromptCache:
         finally:
             alloc.decref([src_page])
         ps = self.pool.page_size
-        idx = mx.arange(length, dtype=mx.int32)
-        self.pool.copy(src_page * ps + idx, page * ps + idx)
+        offsets = np.arange(length)
+        self.pool.copy(src_page * ps + offsets, page * ps + offsets)
         table.pages.append(page)
         return start + length
 
@@ -316,7 +316,10 @@ POOL_STATS: dict[str, Callable[[RadixPromptCache], int]] = {
     "evictions": lambda c: c.counters.evictions,
     "pool_bytes_used": lambda c: c.pool.used_bytes,
     "pool_bytes_total": lambda c: c.pool.nbytes,
+    "pool_bytes_max": lambda c: c.pool.max_nbytes,
+    "pool_chunks": lambda c: len(c.pool.allocator.online_chunks),
     "pages_total": lambda c: c.pool.allocator.num_pages,
+    "pages_max": lambda c: c.pool.allocator.max_pages,
     "pages_free": lambda c: c.pool.allocator.num_free,
     "pages_locked": lambda c: c.pool.allocator.num_used - c.tree.evictable_pages,
     "pages_evictable": lambda c: c.tree.evictable_pages,

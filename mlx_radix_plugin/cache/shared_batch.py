@@ -24,8 +24,11 @@ group's prefix) and to the token of this step. The attention itself is in
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
+from ..memory.pool import page_slots
 from ..memory.prefix_groups import PrefixGroup, group_rows
+from ..memory.slots import HeadSlots, Slots
 from .batch import BatchRows
 from .offset import OffsetCache
 
@@ -42,7 +45,7 @@ class SharedRows:
     """A shared-prefix batch's groups and each row's own slots, kept between passes."""
 
     def __init__(self, rows: BatchRows):
-        pool = rows.pool
+        self.pool = pool = rows.pool
         ps = pool.page_size
         self.groups: list[PrefixGroup] = group_rows(
             [t.pages for t in rows.tables], rows.lengths, ps
@@ -54,12 +57,22 @@ class SharedRows:
                 starts[r] = g.tokens(ps)
         own = [n - s for n, s in zip(rows.lengths, starts)]
         width = max(own)
+        self._prefix_slots = [page_slots(g.pages, ps) for g in self.groups if g.pages]
+        # Padding names a slot the batch reads anyway (masked), so that it touches no
+        # chunk of the pool the rows do not.
+        pad = next(
+            (t.slot(s) for t, s, n in zip(rows.tables, starts, own) if n),
+            self._prefix_slots[0][0] if self._prefix_slots else 0,
+        )
         # Right-aligned, so that a step appends one column for every row.
-        slots = [
-            [0] * (width - n) + [t.slot(p) for p in range(s, s + n)]
-            for t, s, n in zip(rows.tables, starts, own)
-        ]
-        self.own_slots = mx.array(slots, dtype=mx.int32).reshape(B, width)
+        self.own_slots = np.array(
+            [
+                [pad] * (width - n) + [t.slot(p) for p in range(s, s + n)]
+                for t, s, n in zip(rows.tables, starts, own)
+            ],
+            dtype=np.int64,
+        ).reshape(B, width)
+        self.pad_slot = pad
         self.pad = mx.array([width - n for n in own], dtype=mx.int32)[:, None]
         self.positions = mx.array(rows.lengths, dtype=mx.int32)
         self.prefixed = [g for g in self.groups if g.pages]
@@ -77,30 +90,23 @@ class SharedRows:
             None if list(g.rows) == list(range(B)) else mx.array(g.rows, dtype=mx.int32)
             for g in self.prefixed
         ]
-        self._prefix_slots = [
-            (
-                mx.array(g.pages, dtype=mx.int32)[:, None] * ps + mx.arange(ps, dtype=mx.int32)
-            ).reshape(-1)
-            for g in self.prefixed
-        ]
-        self._prefix_index: dict[tuple[int, int], mx.array] = {}
+        self._prefix_index: dict[tuple[int, int], HeadSlots] = {}
 
-    def prefix_index(self, group: int, heads: int) -> mx.array:
-        """Rows of a ``(slots * heads, dim)`` view that hold group ``group``'s prefix,
-        ``(heads, tokens)``: one gather lays it out as attention reads it."""
+    def prefix_slots(self, group: int) -> np.ndarray:
+        return self._prefix_slots[group]
+
+    def prefix_index(self, group: int, heads: int) -> HeadSlots:
+        """Group ``group``'s prefix, read from a layer's flat views as ``(heads, tokens)``:
+        one gather (a chunk) lays it out as attention reads it."""
         key = (group, heads)
         index = self._prefix_index.get(key)
         if index is None:
-            index = (
-                self._prefix_slots[group][None, :] * heads
-                + mx.arange(heads, dtype=mx.int32)[:, None]
-            )
-            self._prefix_index[key] = index
+            index = self._prefix_index[key] = self.pool.head_slots(self._prefix_slots[group], heads)
         return index
 
-    def advance(self, write_slots: mx.array) -> None:
+    def advance(self, write_slots: Slots) -> None:
         """After a pass: each row's new token is one more of its own."""
-        self.own_slots = mx.concatenate([self.own_slots, write_slots[:, None]], axis=1)
+        self.own_slots = np.concatenate([self.own_slots, write_slots.host[:, None]], axis=1)
         self.positions = self.positions + 1
 
 
@@ -115,28 +121,17 @@ class SharedPass:
         width = shared.own_slots.shape[1]
         self.own_width = width
         self.own_valid = mx.arange(width, dtype=mx.int32)[None, :] >= shared.pad  # (B, width)
-        self._own_index: dict[int, mx.array] = {}
+        self._own_index: dict[int, HeadSlots] = {}
         self._masks: dict[tuple, mx.array | str | None] = {}
         self._masked_columns: int | None = None
         self.calls = 0  # attention calls so far
         self.owned: list[int] = []  # ids of this pass's entries in _owners
 
-    def sources(self, layer: int) -> tuple[mx.array, mx.array]:
-        """Layer ``layer``'s K and V rows as ``(slots * heads, dim)`` views, no copy."""
-        g, base = self.pool._where[layer]
-        slots = self.pool.num_pages * self.pool.page_size
-        k, v = self.pool.keys[g], self.pool.values[g]
-        return (
-            k[base : base + slots].reshape(-1, k.shape[-1]),
-            v[base : base + slots].reshape(-1, v.shape[-1]),
-        )
-
-    def own_index(self, heads: int) -> mx.array:
-        """``(B, heads, width)`` rows of the flat view holding each row's own tokens."""
+    def own_index(self, heads: int) -> HeadSlots:
+        """Each row's own tokens, read from a layer's flat views as ``(B, heads, width)``."""
         index = self._own_index.get(heads)
         if index is None:
-            own = self.shared.own_slots
-            index = own[:, None, :] * heads + mx.arange(heads, dtype=mx.int32)[None, :, None]
+            index = self.pool.head_slots(self.shared.own_slots, heads, axis=1)
             self._own_index[heads] = index
         return index
 
@@ -165,9 +160,9 @@ class SharedPass:
             self._masked_columns = columns + _padding(columns)
         return self._masked_columns
 
-    def masked_layout(self, heads: int, window: int | None) -> tuple[mx.array, mx.array]:
+    def masked_layout(self, heads: int, window: int | None) -> tuple[HeadSlots, mx.array]:
         """The masked variant's keys and what each row sees of them: ``(heads, tokens)``
-        rows of the flat view (each group's prefix the window has not left, then every
+        rows of the flat views (each group's prefix the window has not left, then every
         row's own slots, row after row) and ``(rows, tokens + rows)`` booleans, the last
         ``rows`` columns being the step's own tokens."""
         key = ("masked", heads, window)
@@ -176,32 +171,34 @@ class SharedPass:
             return layout
         shared = self.shared
         B, width = shared.own_slots.shape
-        index, seen = [], []
+        columns, seen = [], []
         for g in range(len(shared.prefixed)):
             visible = self.prefix_mask(g, window)
             if isinstance(visible, str):
                 continue  # no row's window reaches this prefix: not read at all
             rows = shared.group_rows[g]
-            prefix = shared.prefix_index(g, heads)
+            prefix = shared.prefix_slots(g)
             if rows is None and visible is None:
-                m = mx.ones((B, prefix.shape[1]), mx.bool_)
+                m = mx.ones((B, prefix.size), mx.bool_)
             else:
-                m = mx.zeros((B, prefix.shape[1]), mx.bool_)
+                m = mx.zeros((B, prefix.size), mx.bool_)
                 m[mx.arange(B) if rows is None else rows] = True if visible is None else visible
-            index.append(prefix)
+            columns.append(prefix)
             seen.append(m)
-        own = shared.own_slots.reshape(-1)
-        index.append(own[None, :] * heads + mx.arange(heads, dtype=mx.int32)[:, None])
+        columns.append(shared.own_slots.reshape(-1))
         eye = mx.eye(B, dtype=mx.bool_)
         seen.append((eye[:, :, None] & self.own_mask(window)[:, 0]).reshape(B, B * width))
-        # Padded to a whole bucket (slot 0, never seen): the fused call's shapes then change
-        # once a bucket, not every step (CUDA builds a cuDNN graph per shape, ~45 ms).
-        pad = _padding(sum(i.shape[1] for i in index) + B)
+        # Padded to a whole bucket (never seen): the fused call's shapes then change once a
+        # bucket, not every step (CUDA builds a cuDNN graph per shape, ~45 ms).
+        pad = _padding(sum(c.size for c in columns) + B)
         if pad:
-            index.append(mx.zeros((heads, pad), mx.int32))
+            columns.append(np.full(pad, shared.pad_slot))
             seen.append(mx.zeros((B, pad), mx.bool_))
-        seen.append(eye)
-        layout = (mx.concatenate(index, axis=1), mx.concatenate(seen, axis=1))
+        index = self.pool.head_slots(np.concatenate(columns), heads)
+        seen = mx.concatenate(seen, axis=1)
+        if index.filled is not None:  # read in chunk order (unordered gather): so is the mask
+            seen = seen[:, mx.array(index.filled, dtype=mx.int32)]
+        layout = (index, mx.concatenate([seen, eye], axis=1))
         self._masks[key] = layout
         return layout
 

@@ -1,9 +1,10 @@
 """How many bytes the KV pool, and MLX's cache of freed buffers, may take on this device.
 
-Metal: the recommended working set. CUDA: the device's free memory plus what MLX
-already holds. CPU: the system's available RAM plus what MLX already holds. That
-figure times ``mem_fraction``, minus the model's own bytes, is the pool's budget; a
-share of what is left after the model and the pool bounds MLX's buffer cache.
+Usable memory is, on Metal, the recommended working set; on CUDA, the device's free memory
+plus what MLX already holds; on the CPU, the system's available RAM plus what MLX already
+holds. The plan (``plan_memory``) takes the model, the batches' working memory and a
+margin out of it and gives the rest to the pool as a ceiling (the pool grows to it on
+demand); a share of what the model and the pool leave bounds MLX's buffer cache.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import os
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+# Usable bytes in place of the device's figure (tests, doctor): not a setting.
+from ..config import DEVICE_MEMORY_ENV
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,18 @@ def _system_available_bytes() -> tuple[int, str]:
 
 
 def device_memory() -> DeviceMemory:
+    forced = os.environ.get(DEVICE_MEMORY_ENV)
+    if forced:
+        try:
+            usable = int(forced)
+        except ValueError:
+            raise ValueError(
+                f"{DEVICE_MEMORY_ENV} = {forced!r}: expected a number of bytes"
+            ) from None
+        backend = (
+            "metal" if mx.metal.is_available() else "cuda" if mx.cuda.is_available() else "cpu"
+        )
+        return DeviceMemory(backend, usable, f"${DEVICE_MEMORY_ENV}")
     if mx.metal.is_available():
         info = mx.device_info()
         return DeviceMemory(
@@ -55,6 +71,110 @@ def pool_budget_bytes(mem_fraction: float, model_bytes: int, memory: DeviceMemor
     return int(memory.usable_bytes * mem_fraction) - model_bytes
 
 
+# Left out of the pool for what no estimate covers (other processes on a shared machine,
+# allocator slack): a share of usable memory, at least MIN_MARGIN_BYTES.
+MARGIN_FRACTION = 0.05
+MIN_MARGIN_BYTES = 512 << 20
+# Context a row of the exact decode path holds in mlx-lm's batch buffer, in the estimate
+# of working memory: a chat-sized context for every row of a full batch.
+WORKING_CONTEXT_TOKENS = 2048
+# What a pool gets when the plan leaves no room: a system prompt's worth, so the radix
+# path still serves (and says so) instead of falling back to stock.
+MIN_POOL_TOKENS = 2048
+
+
+def activation_bytes_per_token(model: object, kv_bytes_per_token: int) -> int:
+    """Bytes of activations a token holds in a forward pass, float32 upper bound: a few
+    hidden-sized tensors and the MLP's intermediate ones (from the model's config; 16x
+    the token's K/V when the config does not say)."""
+    args = getattr(model, "args", None)
+    hidden = getattr(args, "hidden_size", None)
+    if not isinstance(hidden, int):
+        return 16 * kv_bytes_per_token
+    intermediate = getattr(args, "intermediate_size", None)
+    intermediate = intermediate if isinstance(intermediate, int) else 4 * hidden
+    return 4 * (8 * hidden + 3 * intermediate)
+
+
+def working_bytes(
+    model: object, kv_bytes_per_token: int, max_batch_size: int, prefill_step_size: int
+) -> int:
+    """The batches' working memory: the exact path's batch buffers (every row's context,
+    ``WORKING_CONTEXT_TOKENS`` each), a prefill chunk's activations and a decode step's
+    (logits included)."""
+    act = activation_bytes_per_token(model, kv_bytes_per_token)
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    logits = 4 * vocab if isinstance(vocab, int) else 0
+    buffers = max_batch_size * WORKING_CONTEXT_TOKENS * kv_bytes_per_token
+    return buffers + prefill_step_size * act + max_batch_size * (act + logits)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How device memory is shared out: the model, working memory, a margin, and the rest
+    to the KV pool as the ceiling it grows to."""
+
+    usable_bytes: int
+    source: str
+    model_bytes: int
+    working_bytes: int
+    margin_bytes: int
+    pool_bytes: int
+    rule: str  # what set the pool's ceiling
+    warning: str | None = None
+
+    def as_dict(self) -> dict:
+        return {
+            "usable_bytes": self.usable_bytes,
+            "source": self.source,
+            "model_bytes": self.model_bytes,
+            "working_bytes": self.working_bytes,
+            "margin_bytes": self.margin_bytes,
+            "pool_max_bytes": self.pool_bytes,
+            "rule": self.rule,
+            "warning": self.warning,
+        }
+
+
+def plan_memory(
+    memory: DeviceMemory,
+    *,
+    model_bytes: int,
+    working: int,
+    kv_bytes_per_token: int,
+    mem_fraction: float = 0.0,
+    pool_tokens: int = 0,
+) -> MemoryPlan:
+    """The pool's ceiling: ``pool_tokens`` if set, else ``mem_fraction`` of usable memory less
+    the model if set, else usable less the model, working memory and a margin. A ceiling
+    below ``MIN_POOL_TOKENS`` becomes that, with a warning."""
+    margin = max(MIN_MARGIN_BYTES, int(memory.usable_bytes * MARGIN_FRACTION))
+    if pool_tokens:
+        pool, rule = pool_tokens * kv_bytes_per_token, "radix.pool_tokens"
+    elif mem_fraction:
+        pool = pool_budget_bytes(mem_fraction, model_bytes, memory)
+        rule = f"radix.mem_fraction {mem_fraction}"
+    else:
+        pool, rule = (
+            memory.usable_bytes - model_bytes - working - margin,
+            "usable - model - working - margin",
+        )
+    warning = None
+    least = MIN_POOL_TOKENS * kv_bytes_per_token
+    if pool < least and not pool_tokens:
+        warning = (
+            f"the model ({model_bytes / 2**30:.2f} GiB) and working memory "
+            f"({working / 2**30:.2f} GiB) leave no room for a KV pool in "
+            f"{memory.usable_bytes / 2**30:.2f} GiB usable ({memory.source}) by {rule}: "
+            f"serving from a minimal pool of {MIN_POOL_TOKENS} tokens "
+            f"({least / 2**20:.1f} MiB); set radix.pool_tokens to choose its size"
+        )
+        pool = least
+    return MemoryPlan(
+        memory.usable_bytes, memory.source, model_bytes, working, margin, pool, rule, warning
+    )
+
+
 # MLX keeps freed buffers for reuse, with no bound of its own on CUDA: on an H200 (Llama-3-8B,
 # bf16, 32 requests on one 4,096-token prefix, stock's batch path) live arrays stayed near
 # 33 GB while the cache of freed buffers grew to 94 GB and the generation thread died on
@@ -72,3 +192,19 @@ def buffer_cache_limit(
         raise ValueError(f"buffer_cache_fraction must be in (0, 1], got {fraction!r}")
     left = memory.usable_bytes - model_bytes - pool_bytes
     return max(MIN_BUFFER_CACHE_BYTES, int(left * fraction))
+
+
+# Chunks of the pool's storage (pool.py): a share of its ceiling, within bounds. A read that
+# spans chunks costs more operations: on 2 CPU cores, 8 x 2,048 on SmolLM2's shape decodes at
+# 175 ms a step over two chunks against 160 ms in one; on the H200 (Llama-3-8B, bf16, 32
+# requests on a 4,096-token prefix, 288 own tokens each), 52.7 ms over chunks of 576 MB against
+# 27.6 ms in one (stock: 52 ms). So a CUDA device, whose memory is its own, gets a few large
+# chunks; the CPU and Metal's unified memory (not measured), where what the server holds is
+# taken from everything else the machine runs, get small ones. (share, least, most)
+CHUNKS = {"cuda": (8, 256 << 20, 16 << 30), "unified": (32, 64 << 20, 1 << 30)}
+
+
+def chunk_bytes_for(ceiling_bytes: int) -> int:
+    cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
+    share, least, most = CHUNKS["cuda" if cuda else "unified"]
+    return min(most, max(least, ceiling_bytes // share))

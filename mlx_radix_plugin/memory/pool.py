@@ -19,22 +19,43 @@ not read the pool between two layers' writes: readers copy what they need out of
 the pool (evaluated) before the pass writes, and nothing here keeps a second
 reference to an array. On a GPU a second condition holds: no kernel that reads the old
 array may still be running when the write is evaluated (``settle``).
+
+The pool is a ceiling, not an allocation: its storage comes in chunks of whole pages,
+each chunk its own arrays, brought online when the free pages run out (before anything
+is evicted) and given back once they have held nothing for a while (``trim``). Growing
+allocates one chunk and touches no other array; reads and writes go to each chunk they
+touch (``slots.py``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from .allocator import OutOfPages, PageAllocator
-from .budget import DeviceMemory, device_memory, pool_budget_bytes
+from .allocator import PageAllocator
+from .budget import (
+    DeviceMemory,
+    MemoryPlan,
+    chunk_bytes_for,
+    device_memory,
+    plan_memory,
+    working_bytes,
+)
+from .slots import HeadSlots, Slots
+
+# A chunk that has held no page this long is given back (the first chunk stays): long
+# enough that a server between two bursts keeps its pages, short enough that memory an
+# exceptional burst took goes back while the machine is in use for something else.
+CHUNK_IDLE_SECONDS = 30.0
 
 
 class UnsupportedModel(Exception):
@@ -103,26 +124,6 @@ def model_nbytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def plan_pool_tokens(
-    bytes_per_token: int,
-    *,
-    page_size: int,
-    mem_fraction: float,
-    model_bytes: int,
-    memory: DeviceMemory,
-) -> int:
-    """Tokens the pool gets from ``memory``: whole pages, at least one."""
-    budget = pool_budget_bytes(mem_fraction, model_bytes, memory)
-    pages = budget // bytes_per_token // page_size
-    if pages < 1:
-        raise OutOfPages(
-            f"no room for a KV pool: {memory.usable_bytes / 2**30:.2f} GiB usable "
-            f"({memory.source}) x mem_fraction {mem_fraction} leaves "
-            f"{budget / 2**30:.2f} GiB after the model; raise mem_fraction or set pool_tokens"
-        )
-    return pages * page_size
-
-
 def _max_array_elements(dtype: mx.Dtype) -> int:
     limit = 2**31 - 1  # kernels index an array's elements with 32-bit offsets below this
     if mx.metal.is_available():
@@ -161,29 +162,36 @@ class KVPool:
         page_size: int,
         dtype: mx.Dtype,
         max_array_elements: int | None = None,
+        chunk_pages: int | None = None,
     ):
+        """A pool of at most ``num_pages`` pages, in chunks of ``chunk_pages`` allocated on
+        demand; without ``chunk_pages``, one chunk of every page, allocated now."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.specs = specs
         self.page_size = page_size
         self.dtype = dtype
-        self.allocator = PageAllocator(num_pages)
-        slots = num_pages * page_size
+        self.allocator = PageAllocator(num_pages, chunk_pages, online=False)
+        self.chunk_slots = slots = self.allocator.chunk_pages * page_size
         self.groups = layer_groups(specs, slots, max_array_elements or _max_array_elements(dtype))
-        # layer -> (its group's arrays, the flat row of its slot 0 there)
+        # layer -> (its group's arrays, the flat row of its slot 0 there), the same in
+        # every chunk
         self._where = [
             (g, r * slots) for g, layers in enumerate(self.groups) for r in range(len(layers))
         ]
         self._bases = [
             mx.arange(len(layers), dtype=mx.int32)[:, None] * slots for layers in self.groups
         ]
-        self.keys, self.values = [], []
-        for layers in self.groups:
-            s = specs[layers[0]]
-            self.keys.append(mx.zeros((len(layers) * slots, s.kv_heads, s.k_head_dim), dtype))
-            self.values.append(mx.zeros((len(layers) * slots, s.kv_heads, s.v_head_dim), dtype))
-        mx.eval(self.keys, self.values, self._bases)
-        # Called with a page count when the free list runs short; returns pages it freed.
+        mx.eval(self._bases)
+        # Each chunk's arrays, one key and one value array a group; None while offline.
+        self._chunks: list[tuple[list[mx.array], list[mx.array]] | None] = [
+            None
+        ] * self.allocator.num_chunks
+        self._empty_since: dict[int, float] = {}
+        self.chunks_grown = 0
+        self.chunks_freed = 0
+        # Called with a page count when the free list runs short and the pool is at its
+        # ceiling; returns pages it freed.
         self.reclaim: Callable[[int], int] | None = None
         # Releases queued by finalizers of dropped page tables, run under the lock later:
         # a finalizer may fire on any thread, in the middle of anything.
@@ -193,6 +201,9 @@ class KVPool:
         self.lock = threading.RLock()
         # The stream of an evaluation that reads the pool and may still run (``reading``).
         self._reader: mx.Stream | None = None
+        self.plan: MemoryPlan | None = None  # how for_model sized it
+        if chunk_pages is None:
+            self._grow()
 
     @classmethod
     def for_model(
@@ -201,23 +212,34 @@ class KVPool:
         *,
         page_size: int = 16,
         pool_tokens: int | None = None,
-        mem_fraction: float = 0.4,
+        mem_fraction: float = 0.0,
         memory: DeviceMemory | None = None,
+        max_batch_size: int = 32,
+        prefill_step_size: int = 2048,
+        chunk_bytes: int | None = None,
     ) -> KVPool:
-        """A pool for ``model``: ``pool_tokens`` if given, else sized from device memory."""
-        specs, dtype = inspect_model(model)
-        if pool_tokens is None:
-            per_token = sum(s.bytes_per_token(dtype) for s in specs)
-            pool_tokens = plan_pool_tokens(
-                per_token,
-                page_size=page_size,
-                mem_fraction=mem_fraction,
-                model_bytes=model_nbytes(model),
-                memory=memory or device_memory(),
-            )
-        if pool_tokens < page_size:
+        """A pool for ``model`` that grows to ``pool_tokens`` tokens if given, else to the
+        ceiling ``plan_memory`` gives it on ``memory`` (``plan`` says how); its chunks of
+        about ``chunk_bytes`` (default: ``chunk_bytes_for`` the ceiling) come as needed."""
+        if pool_tokens is not None and pool_tokens < page_size:
             raise ValueError(f"pool_tokens must be >= page_size ({page_size}), got {pool_tokens}")
-        return cls(specs, pool_tokens // page_size, page_size, dtype)
+        specs, dtype = inspect_model(model)
+        per_token = sum(s.bytes_per_token(dtype) for s in specs)
+        plan = plan_memory(
+            memory or device_memory(),
+            model_bytes=model_nbytes(model),
+            working=working_bytes(model, per_token, max_batch_size, prefill_step_size),
+            kv_bytes_per_token=per_token,
+            mem_fraction=mem_fraction,
+            pool_tokens=pool_tokens or 0,
+        )
+        page_bytes = per_token * page_size
+        pages = max(1, plan.pool_bytes // page_bytes)
+        chunk_bytes = chunk_bytes or chunk_bytes_for(pages * page_bytes)
+        chunks = -(-pages // max(1, chunk_bytes // page_bytes))
+        pool = cls(specs, pages // chunks * chunks, page_size, dtype, chunk_pages=pages // chunks)
+        pool.plan = plan
+        return pool
 
     # -- accounting --------------------------------------------------------------
 
@@ -227,7 +249,12 @@ class KVPool:
 
     @property
     def num_pages(self) -> int:
+        """Pages online now (``max_pages``: the most it grows to)."""
         return self.allocator.num_pages
+
+    @property
+    def max_pages(self) -> int:
+        return self.allocator.max_pages
 
     @property
     def bytes_per_token(self) -> int:
@@ -239,12 +266,59 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        """Bytes of the chunks online now."""
+        return self.num_pages * self.bytes_per_page
+
+    @property
+    def max_nbytes(self) -> int:
+        return self.max_pages * self.bytes_per_page
 
     @property
     def used_bytes(self) -> int:
         self.run_deferred()
         return self.allocator.num_used * self.bytes_per_page
+
+    # -- chunks ------------------------------------------------------------------
+
+    def _grow(self) -> bool:
+        """Bring the lowest offline chunk online: one chunk's allocation, no other array
+        touched (a new array, not a larger copy of the old ones)."""
+        c = self.allocator.next_chunk
+        if c is None:
+            return False
+        keys, values = [], []
+        for layers in self.groups:
+            s, rows = self.specs[layers[0]], len(layers) * self.chunk_slots
+            keys.append(mx.zeros((rows, s.kv_heads, s.k_head_dim), self.dtype))
+            values.append(mx.zeros((rows, s.kv_heads, s.v_head_dim), self.dtype))
+        mx.eval(keys, values)
+        self._chunks[c] = (keys, values)
+        self.allocator.add_chunk(c)
+        self.chunks_grown += 1
+        return True
+
+    def trim(self, idle_seconds: float | None = None, now: float | None = None) -> int:
+        """Give back the chunks that have held no page for ``idle_seconds`` (default
+        ``CHUNK_IDLE_SECONDS``); the first chunk stays once allocated. Returns how many went.
+        Call it where no pass is being built."""
+        idle_seconds = CHUNK_IDLE_SECONDS if idle_seconds is None else idle_seconds
+        with self.lock:
+            self.run_deferred()
+            now = time.monotonic() if now is None else now
+            freed = 0
+            for c in self.allocator.online_chunks[1:]:
+                if self.allocator.chunk_used(c):
+                    self._empty_since.pop(c, None)
+                    continue
+                if now - self._empty_since.setdefault(c, now) >= idle_seconds:
+                    self.allocator.remove_chunk(c)
+                    self._chunks[c] = None
+                    del self._empty_since[c]
+                    freed += 1
+            self.chunks_freed += freed
+        if freed:
+            mx.clear_cache()  # back to the system, not only to MLX's cache of free buffers
+        return freed
 
     # -- pages -------------------------------------------------------------------
 
@@ -257,8 +331,11 @@ class KVPool:
                 self._deferred.popleft()()
 
     def alloc_pages(self, n: int) -> list[int]:
+        """``n`` pages: free ones, then new chunks up to the ceiling, then evicted ones."""
         with self.lock:
             self.run_deferred()
+            while n > self.allocator.num_free and self._grow():
+                pass
             short = n - self.allocator.num_free
             if short > 0 and self.reclaim is not None:
                 self.reclaim(short)
@@ -268,18 +345,26 @@ class KVPool:
         with self.lock:
             self.allocator.decref(pages)
 
-    def slots_of(self, pages: list[int]) -> mx.array:
-        ps = self.page_size
-        return (
-            mx.array(pages, dtype=mx.int32)[:, None] * ps + mx.arange(ps, dtype=mx.int32)
-        ).reshape(-1)
+    def slots_of(self, pages: list[int]) -> Slots:
+        return self.slots(page_slots(pages, self.page_size))
+
+    def slots(self, host: Sequence[int] | np.ndarray) -> Slots:
+        """Slot ids as the pool reads and writes them (build once, use in every layer)."""
+        return Slots(host, self.chunk_slots)
+
+    def head_slots(self, host: np.ndarray, heads: int, axis: int = 0) -> HeadSlots:
+        """Slot ids laid out for ``gather_heads``: ``(heads, *shape)`` rows, heads at ``axis``."""
+        return HeadSlots(host, self.chunk_slots, heads, axis)
+
+    def _plan(self, slots: Slots | Sequence[int] | np.ndarray) -> Slots:
+        return slots if isinstance(slots, Slots) else self.slots(slots)
 
     # -- data --------------------------------------------------------------------
 
     @property
     def arrays(self) -> list[mx.array]:
         """Every array of the pool: evaluate these to run pending writes."""
-        return self.keys + self.values
+        return [a for chunk in self._chunks if chunk is not None for a in chunk[0] + chunk[1]]
 
     def reading(self) -> None:
         """An evaluation about to start reads the pool and may still run when the next
@@ -303,19 +388,22 @@ class KVPool:
             reader, self._reader = self._reader, None
             mx.synchronize(reader)
 
-    def write_rows(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+    def write_rows(self, layer: int, slots, keys: mx.array, values: mx.array) -> None:
         """Store ``(n, heads, dim)`` rows of one layer at ``n`` slots."""
-        g, idx = self._index(layer, slots)
-        self.keys[g][idx] = keys
-        self.values[g][idx] = values
+        g, base = self._where[layer]
+        for c, local, at in self._plan(slots).pieces:
+            idx = local + base if base else local
+            k_arrays, v_arrays = self._chunks[c]
+            k_arrays[g][idx] = keys if at is None else keys[at]
+            v_arrays[g][idx] = values if at is None else values[at]
 
-    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+    def write(self, layer: int, slots, keys: mx.array, values: mx.array) -> None:
         """Store ``(1, heads, S, dim)`` K/V at ``S`` slots."""
         self.write_rows(layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
 
     def write_layers(
         self,
-        slots: mx.array,
+        slots: Slots,
         keys: Mapping[int, mx.array],
         values: Mapping[int, mx.array],
         rows: mx.array | None = None,
@@ -327,24 +415,32 @@ class KVPool:
         go to ``slots``, all of them when None.
         """
         for g, layers in enumerate(self.groups):
-            idx = (self._bases[g] + slots).reshape(-1)
-            for new, arrays in ((keys, self.keys), (values, self.values)):
-                row = arrays[g].shape[1:]
-                x = mx.stack([new[i] for i in layers])
+            spec = self.specs[layers[0]]
+            for new, which, dim in ((keys, 0, spec.k_head_dim), (values, 1, spec.v_head_dim)):
+                row = (spec.kv_heads, dim)
+                x = mx.stack([new[i] for i in layers]).reshape(len(layers), -1, *row)
                 if rows is not None:
-                    x = x.reshape(len(layers), -1, *row)[:, rows]
-                arrays[g][idx] = x.reshape(-1, *row)
+                    x = x[:, rows]
+                for c, local, at in slots.pieces:
+                    idx = (self._bases[g] + local).reshape(-1)
+                    part = x if at is None else x[:, at]
+                    self._chunks[c][which][g][idx] = part.reshape(-1, *row)
 
-    def _index(self, layer: int, slots: mx.array) -> tuple[int, mx.array]:
-        g, base = self._where[layer]
-        return g, (slots + base if base else slots)
-
-    def rows(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+    def rows(self, layer: int, slots) -> tuple[mx.array, mx.array]:
         """One layer's K/V rows at ``slots``, ``(n, heads, dim)``."""
-        g, idx = self._index(layer, slots)
-        return self.keys[g][idx], self.values[g][idx]
+        plan = self._plan(slots)
+        g, base = self._where[layer]
+        out = []
+        for which in (0, 1):
+            parts = [
+                self._chunks[c][which][g][local + base if base else local]
+                for c, local, _ in plan.pieces
+            ]
+            x = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+            out.append(x if plan.order is None else x[plan.order])
+        return out[0], out[1]
 
-    def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+    def read(self, layer: int, slots) -> tuple[mx.array, mx.array]:
         """K/V at ``slots`` as contiguous ``(1, heads, L, dim)``, the layout attention expects.
 
         Made contiguous here: on the CPU, attention over the strided transpose is ~2.5x
@@ -353,16 +449,49 @@ class KVPool:
         k, v = self.rows(layer, slots)
         return mx.contiguous(k.transpose(1, 0, 2))[None], mx.contiguous(v.transpose(1, 0, 2))[None]
 
-    def copy(self, src: mx.array, dst: mx.array) -> None:
+    def flat_views(self, layer: int) -> tuple[list, list]:
+        """Layer ``layer``'s K and V rows in each chunk as ``(slots * heads, dim)`` views
+        (None for an offline chunk), which ``HeadSlots.gather`` reads."""
+        g, base = self._where[layer]
+        ks, vs = [], []
+        for chunk in self._chunks:
+            if chunk is None:
+                ks.append(None)
+                vs.append(None)
+                continue
+            k, v = chunk[0][g], chunk[1][g]
+            ks.append(k[base : base + self.chunk_slots].reshape(-1, k.shape[-1]))
+            vs.append(v[base : base + self.chunk_slots].reshape(-1, v.shape[-1]))
+        return ks, vs
+
+    def copy(self, src, dst) -> None:
         """Copy slots ``src`` to ``dst`` in every layer.
 
         The gathered rows are evaluated before the scatter so that the scatter is
         the only reader of each array and can update it in place.
         """
         self.settle()
-        src, dst = ([(b + i).reshape(-1) for b in self._bases] for i in (src, dst))
-        rows = [(k[i], v[i]) for k, v, i in zip(self.keys, self.values, src)]
-        mx.eval(rows)
-        for g, (k, v) in enumerate(rows):
-            self.keys[g][dst[g]] = k
-            self.values[g][dst[g]] = v
+        src, dst = self._plan(src), self._plan(dst)
+        gathered = []
+        for g, layers in enumerate(self.groups):
+            for which in (0, 1):
+                parts = []
+                for c, local, _ in src.pieces:
+                    array = self._chunks[c][which][g]
+                    rows = array[(self._bases[g] + local).reshape(-1)]
+                    parts.append(rows.reshape(len(layers), -1, *array.shape[1:]))
+                x = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+                gathered.append((g, which, x if src.order is None else x[:, src.order]))
+        mx.eval([x for _, _, x in gathered])
+        for g, which, x in gathered:
+            for c, local, at in dst.pieces:
+                part = x if at is None else x[:, at]
+                array = self._chunks[c][which][g]
+                array[(self._bases[g] + local).reshape(-1)] = part.reshape(-1, *array.shape[1:])
+
+
+def page_slots(pages: Sequence[int], page_size: int) -> np.ndarray:
+    """The slots of ``pages``, page after page."""
+    return (np.asarray(pages, dtype=np.int64)[:, None] * page_size + np.arange(page_size)).reshape(
+        -1
+    )

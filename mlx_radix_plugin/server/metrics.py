@@ -16,8 +16,19 @@ METRICS = {
     ),
     "evictions": ("mlx_radix_evicted_pages_total", "counter", "Pages evicted to make room."),
     "pool_bytes_used": ("mlx_radix_pool_bytes_used", "gauge", "Bytes of pool pages in use."),
-    "pool_bytes_total": ("mlx_radix_pool_bytes_total", "gauge", "Bytes the pool holds."),
-    "pages_total": ("mlx_radix_pages_total", "gauge", "Pages in the pool."),
+    "pool_bytes_total": (
+        "mlx_radix_pool_bytes_total",
+        "gauge",
+        "Bytes the pool holds: its chunks allocated now.",
+    ),
+    "pool_bytes_max": (
+        "mlx_radix_pool_bytes_max",
+        "gauge",
+        "Bytes the pool may grow to (its ceiling).",
+    ),
+    "pool_chunks": ("mlx_radix_pool_chunks", "gauge", "Chunks of the pool allocated now."),
+    "pages_total": ("mlx_radix_pages_total", "gauge", "Pages in the pool's allocated chunks."),
+    "pages_max": ("mlx_radix_pages_max", "gauge", "Pages the pool may grow to."),
     "pages_free": ("mlx_radix_pages_free", "gauge", "Pages free."),
     "pages_locked": ("mlx_radix_pages_locked", "gauge", "Pages held by running requests."),
     "pages_evictable": (

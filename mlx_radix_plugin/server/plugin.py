@@ -130,6 +130,11 @@ class RadixPlugin:
         return BatchGenerator(model, **capped)
 
     @hookimpl
+    def mlx_lm_generation_idle(self):
+        if self.cache is not None:
+            self.cache.idle()
+
+    @hookimpl
     def mlx_lm_request_finished(self, record):
         with self._requests_lock:
             self.requests[record.finish_reason or "unknown"] += 1

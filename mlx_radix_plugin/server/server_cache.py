@@ -21,7 +21,6 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from ..cache.prompt_cache import RadixPromptCache, idle_stats
 from ..config import Config
-from ..memory.allocator import OutOfPages
 from ..memory.budget import buffer_cache_limit, device_memory
 from ..memory.pool import KVPool, UnsupportedModel, model_nbytes
 
@@ -66,20 +65,34 @@ class ServerPromptCache:
                     page_size=cfg["radix.page_size"],
                     pool_tokens=cfg["radix.pool_tokens"] or None,
                     mem_fraction=cfg["radix.mem_fraction"],
+                    max_batch_size=cfg["decode.max_batch_size"],
+                    chunk_bytes=cfg["radix.chunk_mib"] << 20 or None,
+                    prefill_step_size=getattr(cli_args, "prefill_step_size", None) or 2048,
                 )
-            except (UnsupportedModel, OutOfPages) as e:
+            except UnsupportedModel as e:
                 reason = str(e)
             except Exception as e:  # noqa: BLE001 - the server goes on, uncached, and says why
                 log.exception("radix KV pool for %s could not be built", model_key)
                 reason = f"the KV pool could not be built: {type(e).__name__}: {e}"
             else:
                 self.radix = RadixPromptCache(pool, eviction=cfg["radix.eviction"])
+                plan = pool.plan
+                if plan.warning:
+                    log.warning("radix KV pool: %s", plan.warning)
                 log.info(
-                    "radix KV pool: %d pages x %d tokens, %.1f MiB, %s",
-                    pool.num_pages,
+                    "radix KV pool: up to %d pages x %d tokens (%.1f MiB, %s), allocated in "
+                    "chunks of %d pages as needed; %.2f GiB usable (%s), model %.2f GiB, "
+                    "working memory %.2f GiB, margin %.2f GiB",
+                    pool.max_pages,
                     pool.page_size,
-                    pool.nbytes / 2**20,
+                    pool.max_nbytes / 2**20,
                     pool.dtype,
+                    pool.allocator.chunk_pages,
+                    plan.usable_bytes / 2**30,
+                    plan.source,
+                    plan.model_bytes / 2**30,
+                    plan.working_bytes / 2**30,
+                    plan.margin_bytes / 2**30,
                 )
         self.fallback = reason
         if reason is not None:
@@ -92,11 +105,22 @@ class ServerPromptCache:
         fraction = self.config["radix.buffer_cache_fraction"]
         if not fraction:
             return
-        pool_bytes = self.radix.pool.nbytes if self.radix is not None else 0
+        pool_bytes = self.radix.pool.max_nbytes if self.radix is not None else 0
         limit = buffer_cache_limit(fraction, device_memory(), model_nbytes(model), pool_bytes)
         mx.set_cache_limit(limit)
         self.buffer_cache_limit = limit
         log.info("MLX buffer cache limit: %.1f MiB", limit / 2**20)
+        if mx.metal.is_available():
+            # What stays wired (never paged out) on a Mac: the model, the pool's ceiling and
+            # the buffer cache, within the recommended working set.
+            most = int(mx.device_info()["max_recommended_working_set_size"])
+            mx.set_wired_limit(min(most, model_nbytes(model) + pool_bytes + limit))
+
+    def idle(self) -> None:
+        """Nothing is being generated: give back the pool's chunks that stayed empty."""
+        radix = self.radix
+        if radix is not None:
+            radix.pool.trim()
 
     @property
     def active(self) -> Any:
@@ -139,6 +163,8 @@ class ServerPromptCache:
         stats["fallback"] = self.fallback
         stats["model"] = public_model_key(self.model_key)
         stats["model_loads"] = self.model_loads
+        plan = radix.pool.plan if radix is not None else None
+        stats["memory_plan"] = plan.as_dict() if plan is not None else None
         stats.update(mlx_memory_stats(self.buffer_cache_limit))
         return stats
 

@@ -58,12 +58,14 @@ def step_times(
     page_size: int,
     pool_tokens: int | None = None,
     logit_bias: bool = False,
+    chunk_mib: int = 0,
 ) -> tuple[float, str]:
     """Median ms of a decode step of ``prompts`` together, after warm-up steps; and the path
     the engine's batch took (``stock`` for mlx-lm's own generator).
 
     ``pool_tokens``: the engine's pool (default: what the prompts need); ``logit_bias``:
-    each request carries a logit bias, as the benchmarks' requests (which ban EOS) do.
+    each request carries a logit bias, as the benchmarks' requests (which ban EOS) do;
+    ``chunk_mib``: the pool's chunks (0: the server's default for that ceiling).
     """
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
@@ -86,7 +88,10 @@ def step_times(
         gen.insert(prompts, max_tokens=[max_tokens] * n, logits_processors=processors)
     else:
         tokens = pool_tokens or sum(map(len, prompts)) + n * (steps + 16) + 4 * page_size
-        rpc = RadixPromptCache(KVPool.for_model(model, page_size=page_size, pool_tokens=tokens))
+        pool = KVPool.for_model(
+            model, page_size=page_size, pool_tokens=tokens, chunk_bytes=chunk_mib << 20 or None
+        )
+        rpc = RadixPromptCache(pool)
         path = "off" if mode == "off" else "on"
         gen = RadixBatchGenerator(model, rpc, shared_prefix=path, **sizes)
         fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
@@ -125,6 +130,7 @@ def calibrate(
     modes=("stock", "off", "on"),
     pool_tokens: int | None = None,
     logit_bias: bool = False,
+    chunk_mib: int = 0,
 ) -> list[dict]:
     import mlx.core as mx
     from mlx_lm import load
@@ -152,7 +158,7 @@ def calibrate(
         for mode in modes:
             try:
                 ms, path = step_times(
-                    model, prompts, mode, steps, page_size, pool_tokens, logit_bias
+                    model, prompts, mode, steps, page_size, pool_tokens, logit_bias, chunk_mib
                 )
             except RuntimeError as e:  # out of device memory: the other modes still run
                 row[f"{mode}_error"] = str(e)[:200]
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"what to time, in order, stock first: {','.join(MODES)}",
     )
     p.add_argument("--pool-tokens", type=int, help="the engine's pool (default: what it needs)")
+    p.add_argument("--chunk-mib", type=int, default=0, help="the pool's chunks (0: default)")
     p.add_argument(
         "--logit-bias", action="store_true", help="every request with a logit bias, as in the bench"
     )
@@ -207,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             modes=args.modes,
             pool_tokens=args.pool_tokens,
             logit_bias=args.logit_bias,
+            chunk_mib=args.chunk_mib,
         )
     report = {"device": str(mx.default_device()), "model": args.model or args.shape, "rows": rows}
     if args.json:

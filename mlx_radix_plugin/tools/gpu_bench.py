@@ -23,6 +23,7 @@ import gc
 import json
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -224,6 +225,42 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
     return out
 
 
+class DeviceMemoryPeak(threading.Thread):
+    """The most device memory in use (``nvidia-smi``, every 200 ms) while it runs: what a
+    server holds on the GPU, MLX's live arrays and its cache of freed buffers alike, the
+    same reading for stock and the plugin. ``peak_bytes`` is None where ``nvidia-smi`` is not."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak_bytes: int | None = None
+        self._stop_event = threading.Event()
+
+    def _used(self) -> int | None:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout
+            return int(out.split()[0]) << 20  # MiB, first GPU
+        except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+            return None
+
+    def run(self) -> None:
+        while True:
+            used = self._used()
+            if used is not None:
+                self.peak_bytes = max(self.peak_bytes or 0, used)
+            if self._stop_event.wait(0.2):
+                return
+
+    def stop(self) -> int | None:
+        self._stop_event.set()
+        self.join()
+        return self.peak_bytes
+
+
 class _StatsPoller(threading.Thread):
     """Reads the plugin's /v1/cache/stats every 50 ms while a round runs: the largest K/V
     it held (pool pages live requests lock, plus batch buffers) and the decode paths seen
@@ -296,14 +333,22 @@ def measure_decode_shared(model_dir: Path, work: Path, args, rows: int, prefix: 
     texts: dict[str, list[str]] = {}
     for name in SERVERS:
         rates[name], texts[name], extra = [], [], {}
+        device = DeviceMemoryPeak()
+        device.start()
         try:
             with started(name, model_dir, work, args.pool_tokens, args.shared_prefix) as server:
                 for _ in range(args.rounds):
                     rate, round_texts, extra = _shared_round(server, name, args, rows, prefix, seed)
                     rates[name].append(rate)
                     texts[name] += round_texts
+                if name == "radix":
+                    s = server.stats()
+                    extra["mlx"] = {k: s[k] for k in s if k.startswith("mlx_")}
+                    extra["memory_plan"] = s["memory_plan"]
+                    extra["pool_bytes_total"] = s["pool_bytes_total"]
         except Exception as e:  # noqa: BLE001 - the server's failure is the result
             extra["failed"] = f"{type(e).__name__}: {e}"[:300]
+        extra["device_memory_peak_bytes"] = device.stop()
         out[name] = {
             "decode_tokens_per_s": round(statistics.median(rates[name]), 1)
             if rates[name]
@@ -370,7 +415,7 @@ def started(name: str, model_dir: Path, work: Path, pool_tokens: int, shared_pre
     extra_env = {
         "stock": {},
         "radix": {
-            "MLX_RADIX_POOL_TOKENS": str(pool_tokens),
+            "MLX_RADIX_POOL_TOKENS": str(pool_tokens),  # 0: the plugin's own memory plan
             "MLX_RADIX_DECODE_SHARED_PREFIX": shared_prefix,
         },
     }[name]
@@ -570,7 +615,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--question", type=int, default=32, help="tokens after a shared prefix")
     p.add_argument("--burst", type=int, default=32, help="burst: requests")
     p.add_argument("--burst-prefix", type=int, default=2048, help="burst: shared prefix tokens")
-    p.add_argument("--pool-tokens", type=int, default=65536, help="the plugin's pool size")
+    p.add_argument(
+        "--pool-tokens",
+        type=int,
+        default=0,
+        help="the plugin's pool ceiling (default 0: its memory plan, as a user gets it)",
+    )
     p.add_argument("--bandwidth-mib", type=int, default=4096, help="copy size for bandwidth")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the report here")
