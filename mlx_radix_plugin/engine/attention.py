@@ -37,7 +37,7 @@ from mlx_lm.models import base
 
 from ..cache.offset import OffsetCache
 from ..cache.shared_batch import SharedPass, SharedPrefixBatchCache, owner_of
-from ..memory.pool import KVPool
+from ..memory.pool import FlatViews, KVPool
 from ..memory.slots import HeadSlots
 
 # Max |logit - stock's logit| <= FIDELITY_TOLERANCE x max |stock's logit|, float32, at every
@@ -178,7 +178,7 @@ def _prefix_part(
 
 
 def _prefix_parts(
-    q: mx.array, k_views: list, v_views: list, index: HeadSlots, visible: mx.array | None
+    q: mx.array, k_views: FlatViews, v_views: FlatViews, index: HeadSlots, visible: mx.array | None
 ) -> tuple[mx.array, mx.array, mx.array]:
     """``_prefix_part`` over a prefix the pool holds in several chunks: a part a chunk,
     merged, rather than a copy of the prefix into one array every layer (on 2 CPU cores,

@@ -449,20 +449,11 @@ class KVPool:
         k, v = self.rows(layer, slots)
         return mx.contiguous(k.transpose(1, 0, 2))[None], mx.contiguous(v.transpose(1, 0, 2))[None]
 
-    def flat_views(self, layer: int) -> tuple[list, list]:
-        """Layer ``layer``'s K and V rows in each chunk as ``(slots * heads, dim)`` views
-        (None for an offline chunk), which ``HeadSlots.gather`` reads."""
+    def flat_views(self, layer: int) -> tuple[FlatViews, FlatViews]:
+        """Layer ``layer``'s K and V rows in each chunk as ``(slots * heads, dim)`` views,
+        which ``HeadSlots.gather`` reads; a chunk's view is made when first read."""
         g, base = self._where[layer]
-        ks, vs = [], []
-        for chunk in self._chunks:
-            if chunk is None:
-                ks.append(None)
-                vs.append(None)
-                continue
-            k, v = chunk[0][g], chunk[1][g]
-            ks.append(k[base : base + self.chunk_slots].reshape(-1, k.shape[-1]))
-            vs.append(v[base : base + self.chunk_slots].reshape(-1, v.shape[-1]))
-        return ks, vs
+        return tuple(FlatViews(self._chunks, which, g, base, self.chunk_slots) for which in (0, 1))
 
     def copy(self, src, dst) -> None:
         """Copy slots ``src`` to ``dst`` in every layer.
@@ -488,6 +479,26 @@ class KVPool:
                 part = x if at is None else x[:, at]
                 array = self._chunks[c][which][g]
                 array[(self._bases[g] + local).reshape(-1)] = part.reshape(-1, *array.shape[1:])
+
+
+class FlatViews:
+    """One layer's K (or V) rows in each chunk, as ``(slots * heads, dim)`` views made on
+    first read: a pass reads the chunks its slots touch, not every chunk of the pool."""
+
+    __slots__ = ("_chunks", "_which", "_group", "_base", "_slots", "_made")
+
+    def __init__(self, chunks: list, which: int, group: int, base: int, slots: int):
+        self._chunks, self._which, self._group = chunks, which, group
+        self._base, self._slots = base, slots
+        self._made: dict[int, mx.array] = {}
+
+    def __getitem__(self, chunk: int) -> mx.array:
+        view = self._made.get(chunk)
+        if view is None:
+            a = self._chunks[chunk][self._which][self._group]
+            view = a[self._base : self._base + self._slots].reshape(-1, a.shape[-1])
+            self._made[chunk] = view
+        return view
 
 
 def page_slots(pages: Sequence[int], page_size: int) -> np.ndarray:

@@ -88,8 +88,9 @@ class HeadSlots:
             None,
         )
 
-    def gather(self, views: list, ordered: bool = True) -> mx.array:
-        """The rows at these slots from ``views``, a layer's flat view in each chunk.
+    def gather(self, views, ordered: bool = True) -> mx.array:
+        """The rows at these slots from ``views``, a layer's flat view in each chunk
+        (``views[chunk]``, ``pool.FlatViews``).
 
         ``ordered=False`` (1-D slots only) leaves the rows in chunk order, position
         ``filled[i]`` at row ``i``: for a reader that sums over them in any order and can
