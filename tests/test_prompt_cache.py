@@ -172,12 +172,14 @@ def test_stock_kvcache_is_ingested_once_then_shared(llama):
     stock = make_prompt_cache(model)
     out = generate(model, tok, prompt, stock)
     rpc.insert_cache(KEY, prompt + out, stock)
-    cached = (len(prompt) + len(out)) // PS * PS
-    assert rpc.tree.total_pages * PS == cached
+    cached = stock[0].offset  # all that has K/V, the last page a tail if it ends mid-page
+    assert rpc.tree.total_pages == -(-cached // PS)
     longer = prompt + out + tok.encode(" Rome")
     cache, rest = rpc.fetch_nearest_cache(KEY, longer)
     assert len(longer) - len(rest) == cached
     assert generate(model, tok, rest, cache) == generate(model, tok, longer)
+    rpc.insert_cache(KEY, prompt + out, stock)  # again: nothing new to store
+    assert rpc.tree.total_pages == -(-cached // PS)
 
 
 def test_counters_and_stats(llama):
@@ -203,3 +205,78 @@ def test_tokens_that_do_not_match_the_pages_are_not_committed(llama):
     rpc.insert_cache(KEY, [9] + prompt, cache)  # a caller's bookkeeping gone wrong
     assert rpc.tree.total_pages == 0
     assert rpc.stats()["pages_free"] == rpc.pool.num_pages
+
+
+def tail_of(rpc, tokens):
+    """The tail node ``tokens`` end in, if they end mid-page in the tree."""
+    match = rpc.tree.match_prefix(KEY, tokens)
+    node = match.partial_node
+    assert node is not None and rpc.tree.is_tail(node)
+    assert match.partial_len == len(node.tokens) == len(tokens) % PS
+    return node
+
+
+def test_a_short_prompt_repeated_gets_all_but_its_last_token(llama):
+    """Stock's cache gives a repeat every token but the last; so does the pool, whole
+    pages and then the slots of the page the prompt ends in."""
+    model, tok = llama
+    rpc = radix(model)
+    prompt = list(range(60, 60 + 2 * PS + 3))
+    serve(rpc, model, tok, prompt)
+    assert serve(rpc, model, tok, prompt) == len(prompt) - 1
+    short = [5, 6]  # shorter than a page: a tail of the root
+    serve(rpc, model, tok, short)
+    assert serve(rpc, model, tok, short) == 1
+    assert idle(rpc.stats())
+
+
+def test_a_turn_completes_the_tail_it_extends_in_place(llama):
+    model, tok = llama
+    rpc = radix(model)
+    prompt = list(range(70, 70 + 2 * PS + 1))
+    out = generate(model, tok, prompt, make_prompt_cache(model))
+    cache, rest = rpc.fetch_nearest_cache(KEY, prompt)
+    assert generate(model, tok, rest, cache) == out
+    rpc.insert_cache(KEY, prompt + out, cache)
+    turn = prompt + out
+    assert len(turn) % PS  # the sequence ends in a tail
+    done = cache[0].offset  # K/V of all but the last token generated
+    tail = tail_of(rpc, turn[:done])
+    (page,) = tail.pages
+
+    follow = turn + [9, 10, 11]
+    cache, rest = rpc.fetch_nearest_cache(KEY, follow)
+    assert len(follow) - len(rest) == done
+    table = cache[0].table
+    # No one else held the tail: its page is the request's now, out of the tree.
+    assert table.pages[-1] == page and page not in rpc.tree.all_pages()
+    assert table.shared_tokens == done // PS * PS  # the tail page is written in place
+    assert generate(model, tok, rest, cache) == generate(model, tok, follow)
+    rpc.insert_cache(KEY, follow, cache)
+    assert page in rpc.tree.all_pages() and idle(rpc.stats())
+
+
+def test_a_tail_someone_else_holds_is_copied(llama):
+    model, tok = llama
+    rpc = radix(model)
+    prompt = list(range(90, 90 + PS + 2))
+    cache, rest = rpc.fetch_nearest_cache(KEY, prompt)
+    generate(model, tok, rest, cache)
+    rpc.insert_cache(KEY, prompt, cache)
+    (page,) = tail_of(rpc, prompt).pages
+    # A running request that committed this tail at a segment's end still holds its page
+    # and writes past the tail: the next request must not write into it.
+    rpc.pool.allocator.incref([page])
+    follow = prompt + [3, 4, 5]
+    cache, rest = rpc.fetch_nearest_cache(KEY, follow)
+    assert rest == [3, 4, 5]
+    table = cache[0].table
+    assert table.pages[-1] != page and page in rpc.tree.all_pages()
+    assert mx.array_equal(
+        rpc.pool.read(0, table.slots(PS, PS + 2))[0],
+        rpc.pool.read(0, rpc.pool.slots([page * PS, page * PS + 1]))[0],
+    ).item()
+    assert generate(model, tok, rest, cache) == generate(model, tok, follow)
+    rpc.insert_cache(KEY, follow, cache)
+    rpc.pool.allocator.decref([page])
+    assert idle(rpc.stats())

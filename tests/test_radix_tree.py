@@ -1,9 +1,10 @@
 """Radix tree: focused unit tests plus a hypothesis state machine against a naive model.
 
 The reference model is, per namespace, a dict from every cached page-aligned token
-prefix to the page id that holds that prefix's last page. Because a node is a run of
-whole pages, the tree is just a compressed form of that dict; every check below
-reduces to "the tree and the dict hold the same prefixes".
+prefix to the page id that holds that prefix's last page, plus the cached tails: a
+prefix that ends mid-page, mapped to its page. Because a node is a run of whole pages
+or a tail, the tree is just a compressed form of that dict; every check below reduces
+to "the tree and the dict hold the same prefixes".
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def test_match_on_empty_tree() -> None:
 def test_insert_then_match_full_partial_and_misaligned() -> None:
     tree = RadixTree(page_size=4)
     tokens = list(range(12))
-    assert tree.insert(NS, tokens, [10, 11, 12]) == 0
+    assert tree.insert(NS, tokens, [10, 11, 12]).cached == 0
     assert tree.num_sequences == 1
     assert tree.evictable_pages == 3
 
@@ -128,14 +129,14 @@ def test_split_on_partial_match_keeps_pages_and_lock_counts() -> None:
 def test_insert_returns_matched_length_and_leaves_duplicates_to_caller() -> None:
     tree = RadixTree(page_size=4)
     a, b, c = [1] * 4, [2] * 4, [3] * 4
-    assert tree.insert(NS, a + b, [1, 2]) == 0
+    assert tree.insert(NS, a + b, [1, 2]).cached == 0
     # Shares page ``a``: the caller's page 3 duplicates page 1 and is not stored.
-    assert tree.insert(NS, a + c, [3, 4]) == 4
+    assert tree.insert(NS, a + c, [3, 4]).cached == 4
     assert sorted(tree.all_pages()) == [1, 2, 4]
     assert tree.num_sequences == 2
     # Fully cached (as a whole sequence or as a prefix of one): nothing stored.
-    assert tree.insert(NS, a + b, [5, 6]) == 8
-    assert tree.insert(NS, a, [7]) == 4
+    assert tree.insert(NS, a + b, [5, 6]).cached == 8
+    assert tree.insert(NS, a, [7]).cached == 4
     assert sorted(tree.all_pages()) == [1, 2, 4]
     assert tree.total_pages == tree.evictable_pages == 3
     assert tree.num_sequences == 2
@@ -145,19 +146,109 @@ def test_insert_returns_matched_length_and_leaves_duplicates_to_caller() -> None
 def test_insert_extending_a_leaf_keeps_sequence_count() -> None:
     tree = RadixTree(page_size=2)
     tree.insert(NS, [1, 1], [1])
-    assert tree.insert(NS, [1, 1, 2, 2], [9, 2]) == 2
+    assert tree.insert(NS, [1, 1, 2, 2], [9, 2]).cached == 2
     assert tree.num_sequences == 1
     assert tree.match_prefix(NS, [1, 1, 2, 2]).pages == [1, 2]
 
 
 def test_insert_mismatched_lengths_raises() -> None:
     tree = RadixTree(page_size=4)
-    with pytest.raises(ValueError, match="got 3"):
-        tree.insert(NS, [1, 2, 3], [1])
-    with pytest.raises(ValueError, match="got 4"):
+    with pytest.raises(ValueError, match="needs 1 pages, got 2"):
         tree.insert(NS, [1, 2, 3, 4], [1, 2])
+    with pytest.raises(ValueError, match="needs 2 pages, got 1"):
+        tree.insert(NS, [1, 2, 3, 4, 5], [1])
     assert tree.all_pages() == []
     assert tree.total_pages == 0
+
+
+# -- tails ------------------------------------------------------------------------
+
+
+def test_tail_is_cached_and_offered_as_partial() -> None:
+    tree = RadixTree(page_size=4)
+    # A 6-token sequence: one whole page and a tail of two tokens in page 11.
+    assert tree.insert(NS, [1, 2, 3, 4, 5, 6], [10, 11]) == (0, [])
+    assert tree.total_pages == tree.evictable_pages == 2
+    assert tree.num_sequences == 1
+    (tail,) = [n for n in tree.nodes() if tree.is_tail(n)]
+    assert (tail.tokens, tail.pages, tail.children) == ((5, 6), [11], {})
+
+    # The repeat of a 7-token prompt ending in those six: pages + a partial of 2 tokens.
+    r = tree.match_prefix(NS, [1, 2, 3, 4, 5, 6, 7])
+    assert (r.pages, r.length) == ([10], 4)
+    assert (r.partial_page, r.partial_len, r.partial_node) == (11, 2, tail)
+    # A tail is never matched as a whole page, nor locked with the match.
+    tree.lock(r.node)
+    assert tail.lock_ref == 0
+    tree.unlock(r.node)
+
+    # A short sequence is a tail of the root.
+    assert tree.insert(NS, [7, 8], [12]).cached == 0
+    r = tree.match_prefix(NS, [7, 8, 9])
+    assert (r.pages, r.partial_page, r.partial_len) == ([], 12, 2)
+    assert tree.num_sequences == 2
+
+
+def test_tail_covered_by_what_is_cached_is_not_stored() -> None:
+    tree = RadixTree(page_size=4)
+    tree.insert(NS, [1, 2, 3, 4, 5, 6, 7, 8], [10, 11])
+    # Its tail is the start of page 11, and a shorter tail is the start of that one.
+    assert tree.insert(NS, [1, 2, 3, 4, 5, 6], [20, 21]) == (6, [])
+    tree.insert(NS, [9, 9, 9], [30])
+    assert tree.insert(NS, [9, 9], [31]) == (2, [])
+    assert sorted(tree.all_pages()) == [10, 11, 30]
+    assert tree.num_sequences == 2
+
+
+def test_longer_tail_or_page_supersedes_a_tail() -> None:
+    tree = RadixTree(page_size=4)
+    tree.insert(NS, [1, 2, 3, 4, 5], [10, 11])
+    # A longer tail that starts with it: the old tail's page comes back to the caller.
+    assert tree.insert(NS, [1, 2, 3, 4, 5, 6, 7], [10, 12]) == (4, [11])
+    # A different tail beside it stays.
+    assert tree.insert(NS, [1, 2, 3, 4, 9], [10, 13]) == (4, [])
+    assert tree.num_sequences == 2
+    # A whole page covering the first tail: that tail goes, the other stays.
+    assert tree.insert(NS, [1, 2, 3, 4, 5, 6, 7, 8], [10, 14]) == (4, [12])
+    assert sorted(tree.all_pages()) == [10, 13, 14]
+    assert tree.num_sequences == 2
+    assert tree.total_pages == tree.evictable_pages == 3
+    # The same page handed back and inserted again (a request that filled its tail page
+    # in place) is dropped and stored once: the caller's references net out.
+    tree.insert(NS, [5, 5], [40])
+    assert tree.insert(NS, [5, 5, 5, 5], [40]) == (0, [40])
+    assert tree.all_pages().count(40) == 1
+
+
+def test_remove_leaf_takes_a_tail_out() -> None:
+    tree = RadixTree(page_size=4)
+    tree.insert(NS, [1, 2, 3, 4, 5, 6], [10, 11])
+    r = tree.match_prefix(NS, [1, 2, 3, 4, 5, 6, 7])
+    assert tree.remove_leaf(r.partial_node) == [11]
+    assert tree.all_pages() == [10]
+    assert tree.num_sequences == 1 and tree.evictable_pages == 1
+    assert tree.match_prefix(NS, [1, 2, 3, 4, 5, 6, 7]).partial_len == 0
+    # Only an unlocked leaf can be taken.
+    tree.insert(NS, [1, 2, 3, 4, 5, 6, 7, 8], [10, 12])
+    inner = tree.match_prefix(NS, [1, 2, 3, 4]).node
+    with pytest.raises(ValueError, match="not an unlocked leaf"):
+        tree.remove_leaf(inner)
+    leaf = tree.match_prefix(NS, [1, 2, 3, 4, 5, 6, 7, 8]).node
+    tree.lock(leaf)
+    with pytest.raises(ValueError, match="not an unlocked leaf"):
+        tree.remove_leaf(leaf)
+    tree.unlock(leaf)
+    assert tree.remove_leaf(leaf) == [12]
+    assert tree.num_sequences == 1
+
+
+def test_evict_takes_tails_as_leaves() -> None:
+    tree = RadixTree(page_size=4)
+    tree.insert(NS, [1, 2, 3, 4, 5, 6], [10, 11])
+    assert tree.evict(1) == [11]
+    assert tree.num_sequences == 1
+    assert tree.evict(1) == [10]
+    assert tree.num_sequences == 0 and tree.total_pages == 0
 
 
 def test_partial_page_for_mid_page_divergence() -> None:
@@ -206,11 +297,11 @@ def test_namespaces_never_match_each_other() -> None:
     tree = RadixTree(page_size=2)
     tokens = [1, 2, 3, 4]
     other = ("draft", "adapter-x")
-    assert tree.insert("base", tokens, [1, 2]) == 0
+    assert tree.insert("base", tokens, [1, 2]).cached == 0
     assert tree.match_prefix(other, tokens).pages == []
     assert tree.match_prefix(other, tokens[:3]).partial_page is None
     # Same tokens elsewhere are a fresh insert, not a duplicate.
-    assert tree.insert(other, tokens, [3, 4]) == 0
+    assert tree.insert(other, tokens, [3, 4]).cached == 0
     assert tree.match_prefix("base", tokens).pages == [1, 2]
     assert tree.match_prefix(other, tokens).pages == [3, 4]
     assert tree.num_sequences == 2
@@ -338,8 +429,8 @@ def test_locked_parent_stays_when_children_are_evicted() -> None:
 
 def test_page_size_one() -> None:
     tree = RadixTree(page_size=1)
-    assert tree.insert(NS, [5, 6, 7], [1, 2, 3]) == 0
-    assert tree.insert(NS, [5, 6, 8], [9, 9, 4]) == 2
+    assert tree.insert(NS, [5, 6, 7], [1, 2, 3]).cached == 0
+    assert tree.insert(NS, [5, 6, 8], [9, 9, 4]).cached == 2
     r = tree.match_prefix(NS, [5, 6, 8, 0])
     assert (r.pages, r.length) == ([1, 2, 4], 3)
     # With one-token pages a continuation is always a whole page: never a partial.
@@ -416,25 +507,71 @@ class RadixTreeMachine(RuleBasedStateMachine):
         while stack:
             node, prefix = stack.pop()
             for i, page in enumerate(node.pages):
-                out[prefix + node.tokens[: (i + 1) * ps]] = page
+                out[prefix + node.tokens[: (i + 1) * ps]] = page  # a tail: all its tokens
             stack.extend((child, prefix + node.tokens) for child in node.children.values())
         return out
 
     # -- rules ----------------------------------------------------------------------
 
-    @rule(data=st.data(), ns=st.sampled_from(NAMESPACES))
-    def insert(self, data: st.DataObject, ns: Hashable) -> None:
+    def _children(self, ns: Hashable, prefix: tuple[int, ...]) -> dict[tuple[int, ...], int]:
+        """Cached entries one page or a tail past the page-aligned ``prefix``."""
+        ps, n = self.PAGE_SIZE, len(prefix)
+        return {
+            k: v
+            for k, v in self.ref[ns].items()
+            if n < len(k) <= n + ps and k[:n] == prefix and (len(k) == n + ps or len(k) % ps)
+        }
+
+    def _drop_tails(self, ns: Hashable, prefix: tuple[int, ...], start: tuple[int, ...]) -> set:
+        ps, dropped = self.PAGE_SIZE, set()
+        for k, v in self._children(ns, prefix).items():
+            if len(k) % ps and start[: len(k) - len(prefix)] == k[len(prefix) :]:
+                del self.ref[ns][k]
+                dropped.add(v)
+        return dropped
+
+    @rule(data=st.data(), ns=st.sampled_from(NAMESPACES), tail=st.booleans())
+    def insert(self, data: st.DataObject, ns: Hashable, tail: bool) -> None:
         ps = self.PAGE_SIZE
-        tokens = self._draw_tokens(data, aligned=True)
-        n = len(tokens) // ps
+        tokens = self._draw_tokens(data, aligned=not tail)
+        full, rest = divmod(len(tokens), ps)
+        n = full + bool(rest)
         pages = list(range(self.next_page, self.next_page + n))
         self.next_page += n
-        expected = len(self._ref_match(ns, tokens)) * ps
-        assert self.tree.insert(ns, tokens, pages) == expected
+        matched = len(self._ref_match(ns, tokens)) * ps
+        expected, dropped = matched, set()
+        if matched < full * ps:
+            prefix = tuple(tokens[:matched])
+            dropped |= self._drop_tails(ns, prefix, tuple(tokens[matched : matched + ps]))
         # Pages for the matched span are the caller's duplicates: freed, never stored.
-        for i in range(expected // ps, n):
+        for i in range(matched // ps, full):
             self.ref[ns][tuple(tokens[: (i + 1) * ps])] = pages[i]
+        if rest:
+            prefix, tail_tokens = tuple(tokens[: full * ps]), tuple(tokens[full * ps :])
+            children = self._children(ns, prefix)
+            if any(k[full * ps : len(tokens)] == tail_tokens for k in children):
+                expected = len(tokens)
+            else:
+                dropped |= self._drop_tails(ns, prefix, tail_tokens)
+                self.ref[ns][tuple(tokens)] = pages[full]
+        result = self.tree.insert(ns, tokens, pages)
+        assert result.cached == expected
+        assert set(result.dropped) == dropped and len(result.dropped) == len(dropped)
+        self.evicted.update(dropped)
         self._remember(tokens)
+
+    @precondition(lambda self: any(self.tree.is_tail(n) for n in self.tree.nodes()))
+    @rule(data=st.data())
+    def take_tail(self, data: st.DataObject) -> None:
+        tails = sorted(
+            (n for n in self.tree.nodes() if self.tree.is_tail(n)), key=lambda n: n.pages[0]
+        )
+        node = data.draw(st.sampled_from(tails), label="tail")
+        (page,) = node.pages
+        assert self.tree.remove_leaf(node) == [page]
+        for ns in NAMESPACES:
+            self.ref[ns] = {k: v for k, v in self.ref[ns].items() if v != page}
+        self.evicted.add(page)
 
     @rule(data=st.data(), ns=st.sampled_from(NAMESPACES), lock=st.booleans())
     def match(self, data: st.DataObject, ns: Hashable, lock: bool) -> None:
@@ -446,13 +583,11 @@ class RadixTreeMachine(RuleBasedStateMachine):
         assert r.length == len(expected) * ps
         assert path_pages(r.node) == r.pages
 
-        # Partial: among cached pages that continue the matched prefix, the one whose
-        # tokens share the longest start with the unmatched tail.
+        # Partial: among cached pages and tails that continue the matched prefix, the one
+        # whose tokens share the longest start with the unmatched tail.
         pos, tail = r.length, tuple(tokens[r.length : r.length + ps])
         best, best_pages = 0, set()
-        for prefix, page in self.ref[ns].items():
-            if len(prefix) != pos + ps or prefix[:pos] != tuple(tokens[:pos]):
-                continue
+        for prefix, page in self._children(ns, tuple(tokens[:pos])).items():
             common = 0
             for a, b in zip(prefix[pos:], tail):
                 if a != b:
@@ -467,6 +602,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
             assert r.partial_page is None
         else:
             assert r.partial_page in best_pages
+            assert r.partial_node is not None and r.partial_node.pages[0] == r.partial_page
             assert best < ps
 
         if lock:
@@ -521,7 +657,14 @@ class RadixTreeMachine(RuleBasedStateMachine):
             assert self._tree_content(ns) == ref
             # Eviction takes leaves only, so what is cached stays closed under prefixes.
             for prefix in ref:
-                assert len(prefix) == ps or prefix[:-ps] in ref
+                aligned = (len(prefix) - 1) // ps * ps
+                assert aligned == 0 or prefix[:aligned] in ref
+            # No tail is the start of another entry beside it: it would be superseded.
+            for prefix in ref:
+                if len(prefix) % ps:
+                    parent = prefix[: len(prefix) // ps * ps]
+                    for k in self._children(ns, parent):
+                        assert k == prefix or k[: len(prefix)] != prefix
 
     @invariant()
     def locks_match_holders(self) -> None:
@@ -550,12 +693,16 @@ class RadixTreeMachine(RuleBasedStateMachine):
             stack = [root]
             while stack:
                 node = stack.pop()
-                if node is not root:
+                if node is not root and self.tree.is_tail(node):
+                    assert len(node.pages) == 1 and 0 < len(node.tokens) < ps
+                    assert not node.children and node.lock_ref == 0
+                    ns_leaves += 1
+                elif node is not root:
                     assert len(node.pages) >= 1
                     assert len(node.tokens) == len(node.pages) * ps
                     ns_leaves += not node.children
                 for key, child in node.children.items():
-                    assert len(key) == ps and key == child.tokens[:ps]
+                    assert key == child.tokens[:ps]
                     assert child.parent is node
                     stack.append(child)
             assert namespace.leaves == ns_leaves, f"leaf count drifted in {ns!r}"

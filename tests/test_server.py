@@ -104,6 +104,38 @@ def test_radix_server_answers_like_stock_and_reports_hits(start):
     assert metrics['mlx_radix_requests_total{finish_reason="length"}'] == 6
 
 
+def short_turns(server: Server) -> list[tuple[str, int]]:
+    """A chat of short turns, then a short prompt twice: (text, cached_tokens) each."""
+    out = []
+    messages = [{"role": "system", "content": "Be brief."}]
+    for question in ("Hi", "Where is Paris?", "And Rome?", "Thanks"):
+        messages.append({"role": "user", "content": question})
+        r = server.post("/v1/chat/completions", {"messages": messages, **GREEDY})
+        answer = r["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": answer})
+        out.append((answer, r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    for _ in range(2):
+        r = server.post("/v1/completions", {"prompt": "Where is Oslo?", **GREEDY})
+        out.append((r["choices"][0]["text"], r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    return out
+
+
+def test_short_turns_cache_at_least_what_stock_caches(start):
+    """The end of a sequence that does not fill a page is cached too (a tail): with the
+    default page of 16 tokens, every request finds at least what stock's cache gives it."""
+    with start(mlx_lm_server()) as stock:
+        expected = short_turns(stock)
+    with start(mlx_lm_server("--plugin", "radix"), {"MLX_RADIX_PAGE_SIZE": "16"}) as radix:
+        got = short_turns(radix)
+        stats = radix.stats()
+    assert [text for text, _ in got] == [text for text, _ in expected]
+    for (_, mine), (_, theirs) in zip(got, expected):
+        assert mine >= theirs, (got, expected)
+    # Not all of it page aligned: some hits ended inside a page.
+    assert any(cached % 16 for _, cached in got), got
+    assert stats["pages_locked"] == 0 and stats["page_refs"] == stats["pages_cached"]
+
+
 INVOCATIONS = {
     "mlx_lm.server --plugin radix": (mlx_lm_server("--plugin", "radix"), {}),
     "mlx_lm.server --plugin=radix": (mlx_lm_server("--plugin=radix"), {}),

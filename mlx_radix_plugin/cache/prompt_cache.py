@@ -19,8 +19,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..memory.allocator import OutOfPages
-from ..memory.pool import KVPool
-from ..memory.radix_tree import RadixTree, TreeNode
+from ..memory.pool import KVPool, page_slots
+from ..memory.radix_tree import MatchResult, RadixTree, TreeNode
 from .page_table import PageTable
 from .pool_backed import PoolBackedCache
 
@@ -108,7 +108,7 @@ class RadixPromptCache:
             table.shared_tokens = n = shared
         elif match.partial_len:
             try:
-                n = self._copy_partial(table, match.partial_page, n, match.partial_len)
+                n = self._continue_partial(table, match)
                 table.written = n
             except OutOfPages:
                 pass  # the server's thread must not die on a fetch: recompute those tokens
@@ -223,6 +223,23 @@ class RadixPromptCache:
         self.counters.evictions += len(dropped)
         return len(self.pool.allocator.decref(dropped)) if dropped else 0
 
+    def _continue_partial(self, table: PageTable, match: MatchResult) -> int:
+        """Give the request the cached tokens that continue its match inside a page.
+
+        A tail the request extends whole, which no one else holds, becomes the request's
+        page and is completed in place; otherwise its first slots are copied (on write).
+        """
+        node, page = match.partial_node, match.partial_page
+        if (
+            self.tree.is_tail(node)
+            and match.partial_len == len(node.tokens)
+            and self.pool.allocator.refcount(page) == 1
+        ):
+            self.tree.remove_leaf(node)  # the tree's reference passes to the request
+            table.pages.append(page)
+            return match.length + match.partial_len
+        return self._copy_partial(table, page, match.length, match.partial_len)
+
     def _copy_partial(self, table: PageTable, src_page: int, start: int, length: int) -> int:
         """Copy the first ``length`` slots of a cached page into a page of the request."""
         alloc = self.pool.allocator
@@ -264,15 +281,19 @@ class RadixPromptCache:
         self.tree.lock(node)
         table.relock(partial(self._unlock, node))
         table.committed = max(getattr(table, "committed", 0), n)
+        # The tree reads these tokens now: a rewrite below them must copy first.
+        table.shared_tokens = max(table.shared_tokens, n)
 
     def _commit(self, model_key: Hashable, tokens: Sequence[int], table: PageTable, n: int) -> None:
-        full = n // self.pool.page_size
-        if full == 0:
+        """File the first ``n`` tokens' pages under ``tokens``, the last one maybe a tail."""
+        if n == 0:
             return
-        pages = table.pages[:full]
-        cached = self.tree.insert(model_key, list(tokens[: full * self.pool.page_size]), pages)
-        # The tree takes its own reference to the pages it did not have.
-        self.pool.allocator.incref(pages[cached // self.pool.page_size :])
+        pages = table.pages[: -(-n // self.pool.page_size)]
+        cached, dropped = self.tree.insert(model_key, list(tokens[:n]), pages)
+        # The tree takes its own reference to the pages it did not have, before it gives
+        # back those of the tails it superseded (the same page, when one was completed).
+        self.pool.allocator.incref(pages[-(-cached // self.pool.page_size) :])
+        self.pool.allocator.decref(dropped)
 
     def _ingestible(self, prompt_cache: list[Any]) -> bool:
         return (
@@ -286,22 +307,23 @@ class RadixPromptCache:
         """Copy a stock cache's K/V into new pages for the part the tree lacks."""
         ps = self.pool.page_size
         n = min(min(c.offset for c in prompt_cache), len(tokens))
-        full = n // ps
-        match = self.tree.match_prefix(model_key, list(tokens[: full * ps]))
-        if match.length == full * ps:
+        match = self.tree.match_prefix(model_key, list(tokens[:n]))
+        if match.length == n or match.partial_len == n - match.length:
             return
         self.tree.lock(match.node)
         try:
-            pages = self.pool.alloc_pages(full - match.length // ps)
+            pages = self.pool.alloc_pages(-(-n // ps) - match.length // ps)
         except OutOfPages:
             return  # nothing cached; the caller (the server's thread) must go on
         finally:
             self.tree.unlock(match.node)
-        slots = self.pool.slots_of(pages)
-        lo, hi = match.length, full * ps
+        lo = match.length
+        slots = self.pool.slots(page_slots(pages, ps)[: n - lo])
         for i, c in enumerate(prompt_cache):
-            self.pool.write(i, slots, c.keys[..., lo:hi, :], c.values[..., lo:hi, :])
-        self.tree.insert(model_key, list(tokens[:hi]), match.pages + pages)
+            self.pool.write(i, slots, c.keys[..., lo:n, :], c.values[..., lo:n, :])
+        # The new pages are the tree's references now; those of superseded tails come back.
+        inserted = self.tree.insert(model_key, list(tokens[:n]), match.pages + pages)
+        self.pool.allocator.decref(inserted.dropped)
 
 
 # Every count ``RadixPromptCache.stats`` reports, and how it is read: the one list of these

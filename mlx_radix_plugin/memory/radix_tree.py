@@ -4,9 +4,16 @@ Pure Python on purpose (no MLX import): it is the part with the most invariants,
 so it is tested in isolation with a hypothesis state machine.
 
 Keys are token ids cut into pages of ``page_size`` tokens; each node holds a run of
-whole pages. Every namespace (one per model key: model path, adapter, draft) has its
-own root, so a model never matches another model's prefixes. The tree owns no
-memory itself: ``evict`` hands the page ids it dropped back to the caller.
+whole pages, except a *tail*: a leaf of one page holding fewer than ``page_size``
+tokens, the end of a sequence that does not fill its last page (a short chat turn is
+mostly tail). A tail is never split, locked or extended in the tree: a request that
+continues it copies its slots, or takes the page over (``remove_leaf``), and commits
+the continuation as whole pages and a new tail. A tail that another entry's first
+tokens cover is dropped as it is superseded.
+
+Every namespace (one per model key: model path, adapter, draft) has its own root, so a
+model never matches another model's prefixes. The tree owns no memory itself: ``evict``
+and ``insert`` hand the page ids they dropped back to the caller.
 """
 
 from __future__ import annotations
@@ -15,11 +22,14 @@ import heapq
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 EVICTION_POLICIES = ("lru", "lfu")
 
 
 class TreeNode:
+    """A run of whole pages, or a tail (one page, fewer than ``page_size`` tokens)."""
+
     __slots__ = ("tokens", "pages", "children", "parent", "lock_ref", "last_access", "hits")
 
     def __init__(self, tokens: tuple[int, ...], pages: list[int], parent: TreeNode | None):
@@ -48,6 +58,7 @@ class MatchResult:
     ``pages`` cover ``length`` tokens (a multiple of the page size) ending at ``node``.
     ``partial_page``/``partial_len``: a cached page whose first ``partial_len`` tokens
     continue the match; the caller may copy those slots instead of recomputing them.
+    ``partial_node`` is the child of ``node`` that page begins.
     """
 
     pages: list[int]
@@ -55,6 +66,16 @@ class MatchResult:
     length: int
     partial_page: int | None = None
     partial_len: int = 0
+    partial_node: TreeNode | None = None
+
+
+class Inserted(NamedTuple):
+    """What ``insert`` did: the caller's pages covering the first ``cached`` tokens
+    duplicate the tree's (or are its own); ``dropped`` are pages of tails the insert
+    superseded, whose references the tree gives back to the caller."""
+
+    cached: int
+    dropped: list[int]
 
 
 @dataclass
@@ -133,12 +154,19 @@ class RadixTree:
             pages.extend(child.pages)
             pos += k * ps
             node = child
-        partial_page, partial_len = self._partial(node, tokens, pos)
-        return MatchResult(pages, node, pos, partial_page, partial_len)
+        result = MatchResult(pages, node, pos)
+        partial, result.partial_len = self._partial(node, tokens, pos)
+        if partial is not None:
+            partial.last_access = now
+            partial.hits += 1
+            result.partial_node, result.partial_page = partial, partial.pages[0]
+        return result
 
-    def _partial(self, node: TreeNode, tokens: Sequence[int], pos: int) -> tuple[int | None, int]:
+    def _partial(
+        self, node: TreeNode, tokens: Sequence[int], pos: int
+    ) -> tuple[TreeNode | None, int]:
         tail = tuple(tokens[pos : pos + self.page_size])
-        best_page, best = None, 0
+        best_node, best = None, 0
         if not tail:
             return None, 0
         for first, child in node.children.items():
@@ -148,8 +176,11 @@ class RadixTree:
                     break
                 n += 1
             if n > best:
-                best_page, best = child.pages[0], n
-        return best_page, best
+                best_node, best = child, n
+        return best_node, best
+
+    def is_tail(self, node: TreeNode) -> bool:
+        return len(node.tokens) < self.page_size and not node.is_root
 
     # -- mutation ----------------------------------------------------------------
 
@@ -169,39 +200,85 @@ class RadixTree:
         upper.children[child.tokens[:ps]] = child
         return upper
 
-    def insert(self, namespace: Hashable, tokens: Sequence[int], pages: Sequence[int]) -> int:
-        """Store ``pages`` for ``tokens`` (whole pages only).
+    def insert(self, namespace: Hashable, tokens: Sequence[int], pages: Sequence[int]) -> Inserted:
+        """Store ``pages`` for ``tokens``: whole pages, then a tail if ``tokens`` end mid-page.
 
-        Returns how many leading tokens were already cached: the caller's pages for
-        that span are duplicates (or the very same pages) and stay the caller's to free.
+        The caller's pages for the span already cached are duplicates (or the very same
+        pages) and stay the caller's to free; so are the ``dropped`` tails' pages.
         """
         ps = self.page_size
-        if len(tokens) != len(pages) * ps:
+        full, rest = divmod(len(tokens), ps)
+        if len(pages) != full + bool(rest):
             raise ValueError(
-                f"insert needs {len(pages)} x {ps} = {len(pages) * ps} tokens, got {len(tokens)}"
+                f"insert of {len(tokens)} tokens in pages of {ps} needs"
+                f" {full + bool(rest)} pages, got {len(pages)}"
             )
         node = self._root(namespace)
+        ns = self._namespaces[namespace]
         pos = 0
+        dropped: list[int] = []
         now = next(self._clock)
-        while pos < len(tokens):
+        while pos < full * ps:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
-                was_leaf = not node.children and not node.is_root
-                new = TreeNode(tuple(tokens[pos:]), list(pages[pos // ps :]), node)
+                dropped += self._drop_tails(ns, node, tokens[pos : pos + ps])
+                new = self._add_child(ns, node, tokens[pos : full * ps], pages[pos // ps : full])
                 new.last_access = now
-                node.children[new.tokens[:ps]] = new
-                self.evictable_pages += len(new.pages)
-                if not was_leaf:
-                    self._namespaces[namespace].leaves += 1
-                # A locked ancestor protects only the pages it had; the new leaf starts free.
-                return pos
+                cached, node, pos = pos, new, full * ps
+                break
             k = self._common_pages(child, tokens, pos)
             if k < len(child.pages):
                 child = self._split(child, k)
             child.last_access = now
             pos += k * ps
             node = child
-        return pos
+        else:
+            cached = pos
+        if rest:
+            tail = tuple(tokens[pos:])
+            for child in node.children.values():
+                if child.tokens[:rest] == tail:
+                    child.last_access = now  # already cached, as a tail or a page's start
+                    return Inserted(len(tokens), dropped)
+            dropped += self._drop_tails(ns, node, tail)
+            self._add_child(ns, node, tail, pages[full:]).last_access = now
+        return Inserted(cached, dropped)
+
+    def _add_child(
+        self, ns: _Namespace, node: TreeNode, tokens: Sequence[int], pages: Sequence[int]
+    ) -> TreeNode:
+        was_leaf = not node.children and not node.is_root
+        new = TreeNode(tuple(tokens), list(pages), node)
+        node.children[new.tokens[: self.page_size]] = new
+        # A locked ancestor protects only the pages it had; the new node starts free.
+        self.evictable_pages += len(new.pages)
+        if not was_leaf:
+            ns.leaves += 1
+        return new
+
+    def _drop_tails(self, ns: _Namespace, node: TreeNode, tokens: Sequence[int]) -> list[int]:
+        """Remove ``node``'s tails that ``tokens`` begin with: what is inserted covers them."""
+        tokens = tuple(tokens)
+        dropped: list[int] = []
+        for child in list(node.children.values()):
+            if self.is_tail(child) and tokens[: len(child.tokens)] == child.tokens:
+                dropped += self._remove_leaf(ns, child)
+        return dropped
+
+    def remove_leaf(self, node: TreeNode) -> list[int]:
+        """Take an unlocked leaf out of the tree; its pages' references go to the caller."""
+        if node.children or node.lock_ref or node.is_root or node.parent is None:
+            raise ValueError(f"{node!r} is not an unlocked leaf of the tree")
+        return self._remove_leaf(self._namespace_of(node), node)
+
+    def _remove_leaf(self, ns: _Namespace, node: TreeNode) -> list[int]:
+        parent = node.parent
+        del parent.children[node.tokens[: self.page_size]]
+        self.evictable_pages -= len(node.pages)
+        node.parent = None
+        if parent.is_root or parent.children:
+            ns.leaves -= 1  # else the parent is a leaf now, in its place
+        return node.pages
 
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction."""
@@ -245,14 +322,8 @@ class RadixTree:
         while heap and len(freed) < num_pages:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
-            del parent.children[node.tokens[: self.page_size]]
-            freed.extend(node.pages)
-            self.evictable_pages -= len(node.pages)
-            node.parent = None
-            ns = self._namespace_of(parent)
-            if parent.is_root or parent.children:
-                ns.leaves -= 1
-            elif parent.lock_ref == 0:
+            freed.extend(self._remove_leaf(self._namespace_of(parent), node))
+            if not parent.is_root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (self._priority(parent), next(tiebreak), parent))
         return freed
 
