@@ -247,6 +247,9 @@ def _model_report(model_path, cfg, mem) -> dict:
         pool_max_bytes=pool.max_nbytes,
         pool_chunk_bytes=pool.chunk_slots * pool.bytes_per_token,
     )
+    if plan.buffer_reserve_bytes is not None:
+        # K/V outside the pool beyond this is taken from the pool's room
+        out["plan_buffer_reserve_bytes"] = plan.buffer_reserve_bytes
     if plan.warning:
         out["plan_warning"] = plan.warning
     return out

@@ -233,7 +233,7 @@ class FakeServer:
             "decode_path": "exact" if live else None,
         }
         if self.buffers:
-            stats["batch_buffer_bytes"] = 1000 * live
+            stats["buffer_bytes"] = 1000 * live
         return stats
 
     def peak_rss(self):
@@ -287,15 +287,15 @@ def test_decode_shared_warm_up_is_sent_first_and_left_out_of_the_results():
 def test_pool_poller_adds_locked_pages_and_batch_buffers_sampled_together():
     before = {"pool_bytes_total": 3200, "pages_total": 8, "pages_locked": 2}
     poller = bench_workloads._PoolPoller(None, before)
-    poller.sample({"pages_locked": 5, "batch_buffer_bytes": 100, "decode_path": "exact"})
+    poller.sample({"pages_locked": 5, "buffer_bytes": 100, "decode_path": "exact"})
     assert poller.peak == 3 * 400 + 100
-    # More pages but no buffer (a server without batch_buffer_bytes): counted as 0 buffer.
+    # More pages but no buffer (a server without buffer_bytes): counted as 0 buffer.
     poller.sample({"pages_locked": 6, "decode_path": None})
     assert poller.peak == 4 * 400
     # A large buffer while pages fell below the baseline: the buffer alone.
-    poller.sample({"pages_locked": 1, "batch_buffer_bytes": 1700, "decode_path": "shared"})
+    poller.sample({"pages_locked": 1, "buffer_bytes": 1700, "decode_path": "shared"})
     assert poller.peak == 1700
-    poller.sample({"pages_locked": 2, "batch_buffer_bytes": 0, "decode_path": "exact"})
+    poller.sample({"pages_locked": 2, "buffer_bytes": 0, "decode_path": "exact"})
     assert poller.peak == 1700 and poller.paths == ["exact", "shared"]
     # None of those was a moment of decode alone; these are, unless a prefill holds copies.
     assert poller.decode_peak is None

@@ -235,6 +235,50 @@ def test_the_pool_grows_a_chunk_at_a_time_before_it_evicts_and_keeps_what_it_hel
     assert evicted == [1]  # at the ceiling, and only then, it evicts
 
 
+class Holder:
+    """Something holding K/V outside the pool (a batch buffer), ``buffer_nbytes`` of it."""
+
+    def __init__(self, nbytes: int):
+        self.buffer_nbytes = nbytes
+
+
+def test_kv_held_outside_the_pool_beyond_its_reserve_is_taken_from_the_pools_room(loaded):
+    model, _ = loaded("llama")
+    memory = DeviceMemory("cpu", 4 * 2**30, "test")
+    chunk_bytes = 4 * 2**20
+    pool = KVPool.for_model(model, page_size=16, memory=memory, chunk_bytes=chunk_bytes)
+    reserve = pool.plan.buffer_reserve_bytes
+    assert reserve == 32 * 2048 * pool.bytes_per_token  # decode.max_batch_size rows of 2,048
+    chunk_pages = pool.allocator.chunk_pages
+    pool.alloc_pages(chunk_pages)
+    assert pool.allocator.online_chunks == [0] and pool.buffer_bytes == 0
+    # Buffers within the reserve: the pool grows as before.
+    small = Holder(reserve)
+    pool.hold_outside(small)
+    assert pool.buffer_bytes == reserve
+    pool.alloc_pages(1)
+    assert pool.allocator.online_chunks == [0, 1]
+    # Buffers that take all the pool's room but what it holds: no more chunks, it evicts.
+    big = Holder(reserve + pool.max_nbytes - pool.nbytes)
+    pool.hold_outside(big)
+    asked = []
+    pool.reclaim = lambda n: asked.append(n) or 0
+    with pytest.raises(OutOfPages):
+        pool.alloc_pages(2 * chunk_pages)
+    assert pool.allocator.online_chunks == [0, 1] and asked
+    # Once they are gone, the pool grows again.
+    del big
+    gc.collect()
+    assert pool.buffer_bytes == reserve
+    pool.alloc_pages(2 * chunk_pages)
+    assert len(pool.allocator.online_chunks) == 4
+    # A pool the user sized (radix.pool_tokens) is theirs: buffers do not shrink it.
+    sized = KVPool.for_model(model, page_size=16, pool_tokens=4096, chunk_bytes=chunk_bytes)
+    assert sized.plan.buffer_reserve_bytes is None
+    sized.hold_outside(Holder(2**40))
+    sized.alloc_pages(sized.max_pages)
+
+
 def test_chunks_that_stay_empty_are_given_back_lowest_pages_first_and_the_first_stays():
     pool = KVPool([LayerSpec(1, 4, 4)], 6, page_size=2, dtype=mx.float32, chunk_pages=2)
     pages = pool.alloc_pages(6)

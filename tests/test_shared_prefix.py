@@ -219,15 +219,18 @@ def test_the_shared_path_holds_no_batch_buffer_and_reads_each_prefix_once(loaded
         while len(gen._generation_batch) < 4:
             gen.next()
         gen.next()
-        seen.append(dict(gen.decode_stats))
+        seen.append(dict(gen.decode_stats, held_outside=rpc.pool.buffer_bytes))
         gen.close()
-    exact, shared = seen
+    exact, shared = (dict(s) for s in seen)
+    held = {"exact": exact.pop("held_outside"), "shared": shared.pop("held_outside")}
     # A decoding batch reports the keys an idle engine does (DECODE_STATS), no more.
     from mlx_radix_plugin.engine.decode_path import idle_stats
 
     assert set(exact) == set(shared) == set(idle_stats("on"))
-    assert exact["decode_path"] == "exact" and exact["batch_buffer_bytes"] > 0
-    assert shared["decode_path"] == "shared" and shared["batch_buffer_bytes"] == 0
+    assert exact["decode_path"] == "exact" and exact["decode_buffer_bytes"] > 0
+    assert shared["decode_path"] == "shared" and shared["decode_buffer_bytes"] == 0
+    # What the pool counts outside itself is the batch buffer, and nothing on the shared path.
+    assert held == {"exact": exact["decode_buffer_bytes"], "shared": 0}
     assert shared["decode_rows"] == 4 and shared["decode_groups"] == 1
     assert exact["decode_steps_shared"] == 0 and exact["decode_steps_exact"] >= 1
     assert shared["decode_steps_shared"] >= 1

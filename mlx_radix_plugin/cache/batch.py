@@ -244,12 +244,23 @@ class _PoolWrites:
         # admission, not one per layer (on an H200, a 4,096-token hit on Llama-3-8B's
         # shape spends 7 ms here). It must run before the next write to the pool,
         # which would otherwise copy a whole pool array to keep the gather's input.
+        rows.pool.hold_outside(batch)
         rows.merged.append(batch)
         if len(rows.merged) == rows.num_layers:
             rows.pool.settle()
             mx.eval([c.state for c in rows.merged])
             rows.merged = []
         return batch
+
+    def __setstate__(self, state):
+        # mlx-lm splits a prompt batch by deep-copying it: the copy has a buffer of its own.
+        self.__dict__.update(state)
+        self.rows.pool.hold_outside(self)
+
+    @property
+    def buffer_nbytes(self) -> int:
+        """The batch buffer: a copy of every row's K/V, outside the pool."""
+        return self.nbytes
 
     def update_and_fetch(self, keys, values):
         rows = self.rows

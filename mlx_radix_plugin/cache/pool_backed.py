@@ -45,6 +45,7 @@ class PoolBackedCache(OffsetTrim):
             # once and evaluated now: a pool array spans layers, so reading it between
             # two layers' writes would copy the whole array at every write (pool.py).
             self._own = self.to_mlx_cache()
+            self.table.pool.hold_outside(self)
             if self.offset:
                 self.table.pool.settle()
                 mx.eval(self._own.state)
@@ -122,6 +123,11 @@ class PoolBackedCache(OffsetTrim):
         """Bytes of K/V this layer addresses (shared pages included)."""
         spec = self.table.pool.specs[self.layer]
         return self.offset * spec.bytes_per_token(self.table.pool.dtype)
+
+    @property
+    def buffer_nbytes(self) -> int:
+        """The private copy this layer reads when it runs on its own, outside the pool."""
+        return self._own.nbytes if self._own is not None else 0
 
     @classmethod
     def merge(cls, caches):

@@ -339,6 +339,9 @@ POOL_STATS: dict[str, Callable[[RadixPromptCache], int]] = {
     "pool_bytes_used": lambda c: c.pool.used_bytes,
     "pool_bytes_total": lambda c: c.pool.nbytes,
     "pool_bytes_max": lambda c: c.pool.max_nbytes,
+    # K/V held outside the pool (batch buffers, private copies); beyond the plan's reserve
+    # for it, it is taken from the pool's room.
+    "buffer_bytes": lambda c: c.pool.buffer_bytes,
     "pool_chunks": lambda c: len(c.pool.allocator.online_chunks),
     "pages_total": lambda c: c.pool.allocator.num_pages,
     "pages_max": lambda c: c.pool.allocator.max_pages,

@@ -69,7 +69,6 @@ DECODE_STATS = (
     "decode_rows",
     "decode_groups",
     "decode_shared_tokens",
-    "batch_buffer_bytes",
     "decode_buffer_bytes",
     "prefill_buffer_bytes",
     "decode_steps_shared",
@@ -160,9 +159,8 @@ class DecodePath:
             "decode_rows": len(generation),
             "decode_groups": sum(len(g.rows) > 1 for g in groups),
             "decode_shared_tokens": sum(g.tokens(ps) for g in groups if len(g.rows) > 1),
-            "batch_buffer_bytes": decode_bytes + prefill_bytes,
-            # Split: the decode batch holds its buffer while requests decode; a prompt batch
-            # holds a copy of each cached prefix while it prefills.
+            # Of the pool's buffer_bytes: the decode batch holds its buffer while requests
+            # decode; a prompt batch holds a copy of each cached prefix while it prefills.
             "decode_buffer_bytes": decode_bytes,
             "prefill_buffer_bytes": prefill_bytes,
             **self._step_counts(),

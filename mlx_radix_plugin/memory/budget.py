@@ -96,16 +96,21 @@ def activation_bytes_per_token(model: object, kv_bytes_per_token: int) -> int:
     return 4 * (8 * hidden + 3 * intermediate)
 
 
+def buffer_reserve_bytes(kv_bytes_per_token: int, max_batch_size: int) -> int:
+    """Working memory for K/V held outside the pool: the exact path's batch buffers, every
+    row's context ``WORKING_CONTEXT_TOKENS`` long."""
+    return max_batch_size * WORKING_CONTEXT_TOKENS * kv_bytes_per_token
+
+
 def working_bytes(
     model: object, kv_bytes_per_token: int, max_batch_size: int, prefill_step_size: int
 ) -> int:
-    """The batches' working memory: the exact path's batch buffers (every row's context,
-    ``WORKING_CONTEXT_TOKENS`` each), a prefill chunk's activations and a decode step's
-    (logits included)."""
+    """The batches' working memory: the batch buffers (``buffer_reserve_bytes``), a prefill
+    chunk's activations and a decode step's (logits included)."""
     act = activation_bytes_per_token(model, kv_bytes_per_token)
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     logits = 4 * vocab if isinstance(vocab, int) else 0
-    buffers = max_batch_size * WORKING_CONTEXT_TOKENS * kv_bytes_per_token
+    buffers = buffer_reserve_bytes(kv_bytes_per_token, max_batch_size)
     return buffers + prefill_step_size * act + max_batch_size * (act + logits)
 
 
@@ -122,6 +127,10 @@ class MemoryPlan:
     pool_bytes: int
     rule: str  # what set the pool's ceiling
     warning: str | None = None
+    # Of working memory, what K/V held outside the pool (batch buffers, private copies) may
+    # take before the rest of it counts against the pool's ceiling; None when the user sized
+    # the pool (radix.pool_tokens, radix.mem_fraction): then the buffers are theirs to plan.
+    buffer_reserve_bytes: int | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -133,6 +142,7 @@ class MemoryPlan:
             "pool_max_bytes": self.pool_bytes,
             "rule": self.rule,
             "warning": self.warning,
+            "buffer_reserve_bytes": self.buffer_reserve_bytes,
         }
 
 
@@ -144,11 +154,14 @@ def plan_memory(
     kv_bytes_per_token: int,
     mem_fraction: float = 0.0,
     pool_tokens: int = 0,
+    buffer_reserve: int = 0,
 ) -> MemoryPlan:
     """The pool's ceiling: ``pool_tokens`` if set, else ``mem_fraction`` of usable memory less
-    the model if set, else usable less the model, working memory and a margin. A ceiling
-    below ``MIN_POOL_TOKENS`` becomes that, with a warning."""
+    the model if set, else usable less the model, working memory (of which ``buffer_reserve``
+    for K/V outside the pool) and a margin. A ceiling below ``MIN_POOL_TOKENS`` becomes that,
+    with a warning."""
     margin = max(MIN_MARGIN_BYTES, int(memory.usable_bytes * MARGIN_FRACTION))
+    reserve = None
     if pool_tokens:
         pool, rule = pool_tokens * kv_bytes_per_token, "radix.pool_tokens"
     elif mem_fraction:
@@ -159,6 +172,7 @@ def plan_memory(
             memory.usable_bytes - model_bytes - working - margin,
             "usable - model - working - margin",
         )
+        reserve = buffer_reserve
     warning = None
     least = MIN_POOL_TOKENS * kv_bytes_per_token
     if pool < least and not pool_tokens:
@@ -171,7 +185,15 @@ def plan_memory(
         )
         pool = least
     return MemoryPlan(
-        memory.usable_bytes, memory.source, model_bytes, working, margin, pool, rule, warning
+        memory.usable_bytes,
+        memory.source,
+        model_bytes,
+        working,
+        margin,
+        pool,
+        rule,
+        warning,
+        reserve,
     )
 
 

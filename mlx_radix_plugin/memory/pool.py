@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from .allocator import PageAllocator
 from .budget import (
     DeviceMemory,
     MemoryPlan,
+    buffer_reserve_bytes,
     chunk_bytes_for,
     device_memory,
     plan_memory,
@@ -202,6 +204,9 @@ class KVPool:
         # The stream of an evaluation that reads the pool and may still run (``reading``).
         self._reader: mx.Stream | None = None
         self.plan: MemoryPlan | None = None  # how for_model sized it
+        # What holds K/V outside the pool (batch buffers, private copies): objects with a
+        # ``buffer_nbytes``, counted in ``buffer_bytes`` while they live.
+        self._buffers: weakref.WeakSet = weakref.WeakSet()
         if chunk_pages is None:
             self._grow()
 
@@ -232,6 +237,7 @@ class KVPool:
             kv_bytes_per_token=per_token,
             mem_fraction=mem_fraction,
             pool_tokens=pool_tokens or 0,
+            buffer_reserve=buffer_reserve_bytes(per_token, max_batch_size),
         )
         page_bytes = per_token * page_size
         pages = max(1, plan.pool_bytes // page_bytes)
@@ -278,13 +284,34 @@ class KVPool:
         self.run_deferred()
         return self.allocator.num_used * self.bytes_per_page
 
+    def hold_outside(self, holder: object) -> None:
+        """Count ``holder.buffer_nbytes`` (K/V it holds outside the pool) while it lives."""
+        with self.lock:
+            self._buffers.add(holder)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of K/V held outside the pool now: batch buffers and private copies."""
+        with self.lock:
+            return sum(h.buffer_nbytes for h in list(self._buffers))
+
+    def _room_for_chunk(self) -> bool:
+        """Whether one more chunk, and the K/V held outside the pool beyond the plan's
+        reserve for it, stay within the ceiling. The first chunk always comes."""
+        reserve = self.plan.buffer_reserve_bytes if self.plan is not None else None
+        if reserve is None or not self.allocator.online_chunks:
+            return True
+        over = max(0, self.buffer_bytes - reserve)
+        chunk = self.allocator.chunk_pages * self.bytes_per_page
+        return self.nbytes + chunk + over <= self.max_nbytes
+
     # -- chunks ------------------------------------------------------------------
 
     def _grow(self) -> bool:
         """Bring the lowest offline chunk online: one chunk's allocation, no other array
         touched (a new array, not a larger copy of the old ones)."""
         c = self.allocator.next_chunk
-        if c is None:
+        if c is None or not self._room_for_chunk():
             return False
         keys, values = [], []
         for layers in self.groups:
@@ -331,7 +358,8 @@ class KVPool:
                 self._deferred.popleft()()
 
     def alloc_pages(self, n: int) -> list[int]:
-        """``n`` pages: free ones, then new chunks up to the ceiling, then evicted ones."""
+        """``n`` pages: free ones, then new chunks up to the ceiling (less what K/V outside
+        the pool takes beyond its reserve), then evicted ones."""
         with self.lock:
             self.run_deferred()
             while n > self.allocator.num_free and self._grow():

@@ -26,6 +26,11 @@ METRICS = {
         "gauge",
         "Bytes the pool may grow to (its ceiling).",
     ),
+    "buffer_bytes": (
+        "mlx_radix_buffer_bytes",
+        "gauge",
+        "K/V bytes held outside the pool: batch buffers and private copies.",
+    ),
     "pool_chunks": ("mlx_radix_pool_chunks", "gauge", "Chunks of the pool allocated now."),
     "pages_total": ("mlx_radix_pages_total", "gauge", "Pages in the pool's allocated chunks."),
     "pages_max": ("mlx_radix_pages_max", "gauge", "Pages the pool may grow to."),
@@ -55,11 +60,6 @@ METRICS = {
         "mlx_radix_decode_shared_tokens",
         "gauge",
         "Tokens of prefixes the decode batch reads once for several requests.",
-    ),
-    "batch_buffer_bytes": (
-        "mlx_radix_batch_buffer_bytes",
-        "gauge",
-        "K/V bytes the running batches hold outside the pool (copies of cached prefixes).",
     ),
     "model_loads": (
         "mlx_radix_model_loads_total",

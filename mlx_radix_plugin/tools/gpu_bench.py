@@ -280,7 +280,7 @@ class _StatsPoller(threading.Thread):
             if not s:
                 return
             page = s["pool_bytes_total"] // max(1, s["pages_total"])
-            held = s["pages_locked"] * page + s.get("batch_buffer_bytes", 0)
+            held = s["pages_locked"] * page + s.get("buffer_bytes", 0)
             self.kv_bytes_peak = max(self.kv_bytes_peak, held)
             if s.get("decode_path"):
                 self.paths.add(s["decode_path"])

@@ -530,9 +530,9 @@ class _PoolPoller(threading.Thread):
         # Locked pages are those live requests hold (pages cached by earlier workloads are
         # evictable); the batch buffers hold copies outside the pool. Both come from one
         # response, so they add up to what was held at one moment. A server older than
-        # batch_buffer_bytes has it uncounted.
+        # buffer_bytes has it uncounted.
         pages = max(0, stats["pages_locked"] - self.locked_before)
-        held = pages * self.page_bytes + stats.get("batch_buffer_bytes", 0)
+        held = pages * self.page_bytes + stats.get("buffer_bytes", 0)
         self.peak = max(self.peak, held)
         if stats.get("decode_rows") and stats.get("prefill_buffer_bytes") == 0:
             decoding = pages * self.page_bytes + stats["decode_buffer_bytes"]
