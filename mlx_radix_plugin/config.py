@@ -80,15 +80,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "radix.chunk_mib",
         0,
-        "the pool grows, and gives memory back, in chunks of this many MiB; 0: a 32nd of its "
-        "ceiling within 64 MiB to 1 GiB (an 8th within 256 MiB to 16 GiB on CUDA)",
+        "the pool grows, and gives memory back, in chunks of this many MiB; 0: 4,096 tokens' "
+        "worth within 64 MiB to 1 GiB (on CUDA an 8th of its ceiling within 256 MiB to 16 GiB)",
         minimum=0,
     ),
     Setting(
         "radix.buffer_cache_fraction",
         0.25,
-        "share of the memory left after the model and the pool that MLX may keep as freed "
-        "buffers for reuse; 0 leaves MLX's own limit",
+        "share of the memory left after the model, the pool and the batch buffers that MLX "
+        "may keep as freed buffers for reuse; 0 leaves MLX's own limit",
         minimum=0.0,
         maximum=1.0,
     ),

@@ -53,5 +53,5 @@ def chunking(request, monkeypatch):
     if request.param == "a chunk a page":
         from mlx_radix_plugin.memory import pool
 
-        monkeypatch.setattr(pool, "chunk_bytes_for", lambda ceiling: 1)
+        monkeypatch.setattr(pool, "chunk_bytes_for", lambda ceiling, per_token: 1)
     return request.param

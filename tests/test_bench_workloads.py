@@ -372,10 +372,3 @@ def test_presets_grow_and_name_every_workload():
     assert "decode_shared" in names[0] and len(set(names[0])) == len(names[0])
     total = {k: sum(w.total_requests for w in p.workloads) for k, p in PRESETS.items()}
     assert total["smoke"] < total["small"] < total["medium"]
-
-
-@pytest.mark.parametrize("preset", list(PRESETS))
-def test_pool_has_room_for_every_decode_shared_request_and_the_warm_up(preset):
-    (w,) = [w for w in PRESETS[preset].workloads if isinstance(w, DecodeShared)]
-    own_copies = w.requests * (w.prefix_tokens + w.question_tokens + w.output_tokens)
-    assert PRESETS[preset].pool_tokens >= own_copies + w.warmup_tokens

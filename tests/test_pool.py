@@ -12,6 +12,7 @@ from tiny_models import ARCHS
 from mlx_radix_plugin import KVPool, LayerSpec, UnsupportedModel
 from mlx_radix_plugin.memory.allocator import OutOfPages
 from mlx_radix_plugin.memory.budget import (
+    CHUNK_TOKENS,
     MIN_POOL_TOKENS,
     DeviceMemory,
     device_memory,
@@ -91,6 +92,20 @@ def test_the_plan_gives_the_pool_what_the_model_working_memory_and_margin_leave(
     left = 16 * 2**30 - plan.model_bytes - plan.working_bytes - plan.margin_bytes
     assert plan.pool_bytes == left and plan.warning is None
     assert left - pool.allocator.num_chunks * pool.bytes_per_page < pool.max_nbytes <= left
+
+
+def test_on_unified_memory_a_chunk_holds_a_few_thousand_tokens(loaded):
+    """The CPU (and Metal) pool follows demand in chunks of CHUNK_TOKENS tokens, 64 MiB at
+    least, whatever its ceiling."""
+    model, _ = loaded("llama")
+    for usable in (4 * 2**30, 64 * 2**30):
+        memory = DeviceMemory("cpu", usable, "test")
+        pool = KVPool.for_model(model, page_size=16, memory=memory)
+        chunk = pool.allocator.chunk_pages * pool.bytes_per_page
+        expected = max(64 << 20, CHUNK_TOKENS * pool.bytes_per_token)
+        # (the ceiling is cut into equal chunks: a little under the size asked for)
+        assert 0.9 * expected < chunk <= expected
+        assert pool.allocator.num_chunks > 1
 
 
 def test_a_model_that_leaves_no_room_gets_a_minimal_pool_and_a_warning(loaded):

@@ -18,9 +18,10 @@ from mlx_radix_plugin.server.server_cache import ServerPromptCache
 GiB = 2**30
 
 
-def test_the_limit_is_a_share_of_what_the_model_and_the_pool_leave():
+def test_the_limit_is_a_share_of_what_the_model_the_pool_and_the_batch_buffers_leave():
     memory = DeviceMemory("cuda", 141 * GiB, "test")
     assert buffer_cache_limit(0.25, memory, 16 * GiB, 40 * GiB) == 85 * GiB // 4
+    assert buffer_cache_limit(0.25, memory, 16 * GiB, 40 * GiB, 5 * GiB) == 80 * GiB // 4
     # A device the model and pool fill still reuses a step's buffers.
     assert buffer_cache_limit(0.25, memory, 100 * GiB, 41 * GiB) == MIN_BUFFER_CACHE_BYTES
     with pytest.raises(ValueError, match="buffer_cache_fraction must be in \\(0, 1\\], got 0"):
@@ -195,7 +196,7 @@ def test_one_list_of_keys_serves_the_stats_the_idle_stats_and_the_metrics(loaded
 def test_an_idle_server_gives_back_the_chunks_that_stayed_empty(loaded, monkeypatch):
     from mlx_radix_plugin.memory import pool
 
-    monkeypatch.setattr(pool, "chunk_bytes_for", lambda ceiling: 1)  # a chunk a page
+    monkeypatch.setattr(pool, "chunk_bytes_for", lambda ceiling, per_token: 1)  # a chunk a page
     model, _ = loaded("llama")
     cache = make("0.25")
     cache.bind(model, ("m", None, None))

@@ -205,28 +205,36 @@ MIN_BUFFER_CACHE_BYTES = 256 << 20
 
 
 def buffer_cache_limit(
-    fraction: float, memory: DeviceMemory, model_bytes: int, pool_bytes: int
+    fraction: float, memory: DeviceMemory, model_bytes: int, pool_bytes: int, buffer_bytes: int = 0
 ) -> int:
     """Bytes MLX may keep in its cache of freed buffers: ``fraction`` of what the device has
-    left after the model and the pool (the rest is the batches' working memory), and at
-    least ``MIN_BUFFER_CACHE_BYTES`` so that a step's buffers are still reused."""
+    left after the model, the pool and the batch buffers (``buffer_bytes``, the plan's reserve
+    for them), and at least ``MIN_BUFFER_CACHE_BYTES`` so that a step's buffers are still
+    reused. A cached buffer counts in the process's resident memory: on 2 CPU cores, a burst
+    of 8 on a new 1,024-token prefix (SmolLM2's shape, float32) peaked at 2.0 GB resident with
+    1.1 GB allowed and 1.5 GB with 256 MiB, at the same speed."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"buffer_cache_fraction must be in (0, 1], got {fraction!r}")
-    left = memory.usable_bytes - model_bytes - pool_bytes
+    left = memory.usable_bytes - model_bytes - pool_bytes - buffer_bytes
     return max(MIN_BUFFER_CACHE_BYTES, int(left * fraction))
 
 
-# Chunks of the pool's storage (pool.py): a share of its ceiling, within bounds. A read that
-# spans chunks costs more operations: on 2 CPU cores, 8 x 2,048 on SmolLM2's shape decodes at
-# 175 ms a step over two chunks against 160 ms in one; on the H200 (Llama-3-8B, bf16, 32
-# requests on a 4,096-token prefix, 288 own tokens each), 52.7 ms over chunks of 576 MB against
-# 27.6 ms in one (stock: 52 ms). So a CUDA device, whose memory is its own, gets a few large
-# chunks; the CPU and Metal's unified memory (not measured), where what the server holds is
-# taken from everything else the machine runs, get small ones. (share, least, most)
-CHUNKS = {"cuda": (8, 256 << 20, 16 << 30), "unified": (32, 64 << 20, 1 << 30)}
+# Chunks of the pool's storage (pool.py). A read that spans chunks costs more operations: on 2
+# CPU cores, 8 x 2,048 on SmolLM2's shape decodes at 175 ms a step over two chunks against 160
+# ms in one; on the H200 (Llama-3-8B, bf16, 32 requests on a 4,096-token prefix, 288 own tokens
+# each), 52.7 ms over chunks of 576 MB against 27.6 ms in one (stock: 52 ms). So a CUDA device,
+# whose memory is its own, gets a few large chunks: a share of the ceiling, within bounds. The
+# CPU and Metal's unified memory, where what the server holds is taken from everything else the
+# machine runs, get chunks of CHUNK_TOKENS tokens (a long system prompt spans one or two), within
+# bounds: a burst that needs 50 MB of K/V then takes 190 MB (SmolLM2's shape, float32), not a
+# 32nd of a 20 GB ceiling (617 MB).
+CUDA_CHUNKS = (8, 256 << 20, 16 << 30)  # (share of the ceiling, least, most)
+CHUNK_TOKENS, UNIFIED_CHUNKS = 4096, (64 << 20, 1 << 30)
 
 
-def chunk_bytes_for(ceiling_bytes: int) -> int:
-    cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
-    share, least, most = CHUNKS["cuda" if cuda else "unified"]
-    return min(most, max(least, ceiling_bytes // share))
+def chunk_bytes_for(ceiling_bytes: int, bytes_per_token: int) -> int:
+    if mx.cuda.is_available() and mx.default_device() == mx.gpu:
+        share, least, most = CUDA_CHUNKS
+        return min(most, max(least, ceiling_bytes // share))
+    least, most = UNIFIED_CHUNKS
+    return min(most, max(least, CHUNK_TOKENS * bytes_per_token))

@@ -241,7 +241,7 @@ class KVPool:
         )
         page_bytes = per_token * page_size
         pages = max(1, plan.pool_bytes // page_bytes)
-        chunk_bytes = chunk_bytes or chunk_bytes_for(pages * page_bytes)
+        chunk_bytes = chunk_bytes or chunk_bytes_for(pages * page_bytes, per_token)
         chunks = -(-pages // max(1, chunk_bytes // page_bytes))
         pool = cls(specs, pages // chunks * chunks, page_size, dtype, chunk_pages=pages // chunks)
         pool.plan = plan

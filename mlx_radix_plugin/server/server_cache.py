@@ -105,8 +105,12 @@ class ServerPromptCache:
         fraction = self.config["radix.buffer_cache_fraction"]
         if not fraction:
             return
-        pool_bytes = self.radix.pool.max_nbytes if self.radix is not None else 0
-        limit = buffer_cache_limit(fraction, device_memory(), model_nbytes(model), pool_bytes)
+        pool = self.radix.pool if self.radix is not None else None
+        pool_bytes = pool.max_nbytes if pool is not None else 0
+        reserve = (pool.plan.buffer_reserve_bytes or 0) if pool is not None and pool.plan else 0
+        limit = buffer_cache_limit(
+            fraction, device_memory(), model_nbytes(model), pool_bytes, reserve
+        )
         mx.set_cache_limit(limit)
         self.buffer_cache_limit = limit
         log.info("MLX buffer cache limit: %.1f MiB", limit / 2**20)

@@ -146,14 +146,20 @@ class _Progress:
 
 
 def _start(
-    stack: contextlib.ExitStack, name: str, model: Path, work: Path, pool_tokens: int, warmup: str
+    stack: contextlib.ExitStack,
+    name: str,
+    model: Path,
+    work: Path,
+    pool_tokens: int | None,
+    warmup: str,
 ) -> tuple[ServerProcess, int | None]:
     """Start ``name``'s server and send it one request; the server and its peak memory so
     far (loading the model included)."""
     port = free_port()
     cmd = [sys.executable, "-m", "mlx_lm", "server", *SERVER_FLAGS[name], "--model", str(model)]
     cmd += ["--port", str(port)]
-    extra = {"MLX_RADIX_POOL_TOKENS": str(pool_tokens)} if name == "radix" else {}
+    # The plugin as a user runs it: its own memory plan, unless --pool-tokens says otherwise.
+    extra = {"MLX_RADIX_POOL_TOKENS": str(pool_tokens)} if name == "radix" and pool_tokens else {}
     server = ServerProcess(cmd, server_env(work / "hf", extra), port, work / f"{name}.log")
     try:
         stack.enter_context(server)
@@ -180,7 +186,6 @@ def run(
     report of ``bench_report.build_report``."""
     preset: Preset = PRESETS[preset_name]
     workloads = [w for w in preset.workloads if not only or w.name in only]
-    pool_tokens = pool_tokens or preset.pool_tokens
     sampling = Sampling(eos_logit_bias(model) if ban_eos else {})
     words = single_token_words(model)
     show = _Progress(progress)
@@ -301,7 +306,7 @@ def _model_choice(model: str | None, random_shape: str | None, dtype: str, tmp: 
 @click.option(
     "--pool-tokens",
     type=click.IntRange(min=1),
-    help="The plugin's pool size (default: the preset's).",
+    help="The plugin's pool ceiling in tokens (default: its memory plan, as a user gets).",
 )
 @click.option(
     "--ban-eos/--allow-eos",

@@ -371,9 +371,6 @@ class DecodeShared(LivePrefix):
 @dataclass(frozen=True)
 class Preset:
     workloads: tuple[Workload, ...]
-    # The plugin's pool: room for the largest workload's prompts, and for decode_shared's
-    # requests and warm-up even with nothing shared (each request's whole context).
-    pool_tokens: int
 
 
 PRESETS: dict[str, Preset] = {
@@ -388,7 +385,6 @@ PRESETS: dict[str, Preset] = {
             DecodeShared(4, 64, 8, 16, rounds=2),
             Memory(8, 128, 8, 8),
         ),
-        pool_tokens=4096,
     ),
     "small": Preset(
         (
@@ -400,7 +396,6 @@ PRESETS: dict[str, Preset] = {
             DecodeShared(8, 1024, 16, 64, rounds=3),
             Memory(8, 1024, 16, 16),
         ),
-        pool_tokens=12288,
     ),
     # DESIGN.md's baselines: shared prefix 4 x 8 of ~600 tokens, burst of 8 on a new
     # 500-token prefix, decode of 8 x 128 tokens over 5 alternating rounds; shared-prefix
@@ -415,7 +410,6 @@ PRESETS: dict[str, Preset] = {
             DecodeShared(8, 2048, 16, 128, rounds=3),
             Memory(8, 1024, 16, 32),
         ),
-        pool_tokens=20480,
     ),
 }
 WORKLOADS = tuple(w.name for w in PRESETS["smoke"].workloads)
