@@ -161,10 +161,12 @@ def on_a_shared_prefix(model, tok, rows: int, max_tokens: int, pool_tokens: int 
     return gen, rpc
 
 
-@pytest.fixture(params=["split", "masked"])
+@pytest.fixture(params=["split", "masked", "split, chunks joined"])
 def variant(request, monkeypatch):
-    """Both ways of computing the shared path, whatever this machine's device picks."""
-    monkeypatch.setattr(attention, "VARIANT", request.param)
+    """Both ways of computing the shared path, whatever this machine's device picks; the
+    split one also reading a prefix over several chunks as one part, as a GPU does."""
+    monkeypatch.setattr(attention, "VARIANT", request.param.split(",")[0])
+    monkeypatch.setattr(attention, "CHUNK_READ", "joined" if "joined" in request.param else "parts")
     return request.param
 
 

@@ -221,13 +221,15 @@ def buffer_cache_limit(
 
 # Chunks of the pool's storage (pool.py). A read that spans chunks costs more operations: on 2
 # CPU cores, 8 x 2,048 on SmolLM2's shape decodes at 175 ms a step over two chunks against 160
-# ms in one; on the H200 (Llama-3-8B, bf16, 32 requests on a 4,096-token prefix, 288 own tokens
-# each), 52.7 ms over chunks of 576 MB against 27.6 ms in one (stock: 52 ms). So a CUDA device,
-# whose memory is its own, gets a few large chunks: a share of the ceiling, within bounds. The
-# CPU and Metal's unified memory, where what the server holds is taken from everything else the
-# machine runs, get chunks of CHUNK_TOKENS tokens (a long system prompt spans one or two), within
-# bounds: a burst that needs 50 MB of K/V then takes 190 MB (SmolLM2's shape, float32), not a
-# 32nd of a 20 GB ceiling (617 MB).
+# ms in one. On the H200 (Llama-3-8B, bf16, 32 requests on a 4,096-token prefix, 288 own tokens
+# each, split variant), 30.1 ms a step in one chunk, 42.5 ms over chunks of 576 MB and 73.3 ms
+# over chunks of 256 MB (stock: 52 ms): every layer gathers from each chunk it reads, and there
+# a step costs its operations more than its bytes. So a CUDA device, whose memory is its own,
+# gets a few large chunks: a share of the ceiling, within bounds. The CPU and Metal's unified
+# memory, where what the server holds is taken from everything else the machine runs, get
+# chunks of CHUNK_TOKENS tokens (a long system prompt spans one or two), within bounds: a burst
+# that needs 50 MB of K/V then takes 190 MB (SmolLM2's shape, float32), not a 32nd of a 20 GB
+# ceiling (617 MB).
 CUDA_CHUNKS = (8, 256 << 20, 16 << 30)  # (share of the ceiling, least, most)
 CHUNK_TOKENS, UNIFIED_CHUNKS = 4096, (64 << 20, 1 << 30)
 
