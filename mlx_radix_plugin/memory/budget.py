@@ -212,7 +212,7 @@ def buffer_cache_limit(
     for them), and at least ``MIN_BUFFER_CACHE_BYTES`` so that a step's buffers are still
     reused. A cached buffer counts in the process's resident memory: on 2 CPU cores, a burst
     of 8 on a new 1,024-token prefix (SmolLM2's shape, float32) peaked at 2.0 GB resident with
-    1.1 GB allowed and 1.5 GB with 256 MiB, at the same speed."""
+    1.1 GB allowed and 1.5 GB with 256 MiB."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"buffer_cache_fraction must be in (0, 1], got {fraction!r}")
     left = memory.usable_bytes - model_bytes - pool_bytes - buffer_bytes
