@@ -55,7 +55,9 @@ class ServerPromptCache:
         self.radix = self.stock = None
         gc.collect()
         mx.clear_cache()  # the old pool's memory goes back before the new one is taken
-        self.model_key = model_key
+        # Stats name the model once its cache is ready: a reader that sees the model sees
+        # its pool, or the fallback and its reason.
+        self.model_key = None
         reason = self._fallback_reason(draft_model, cli_args)
         if reason is None:
             cfg = self.config
@@ -99,6 +101,7 @@ class ServerPromptCache:
             log.warning("radix cache off for %s, stock prompt cache instead: %s", model_key, reason)
             self.stock = LRUPromptCache(*self._stock_args)
         self._limit_buffer_cache(model)
+        self.model_key = model_key
 
     def _limit_buffer_cache(self, model) -> None:
         """Bound MLX's cache of freed buffers by what the model and the pool leave."""
