@@ -104,13 +104,15 @@ class ServerPromptCache:
         self.model_key = model_key
 
     def _limit_buffer_cache(self, model) -> None:
-        """Bound MLX's cache of freed buffers by what the model and the pool leave."""
+        """Bound MLX's cache of freed buffers by what the model, the pool and the batch
+        buffers leave."""
         fraction = self.config["radix.buffer_cache_fraction"]
         if not fraction:
             return
-        pool = self.radix.pool if self.radix is not None else None
-        pool_bytes = pool.max_nbytes if pool is not None else 0
-        reserve = (pool.plan.buffer_reserve_bytes or 0) if pool is not None and pool.plan else 0
+        pool_bytes = reserve = 0
+        if self.radix is not None:
+            pool = self.radix.pool  # built by KVPool.for_model: it has a plan
+            pool_bytes, reserve = pool.max_nbytes, pool.plan.buffer_reserve_bytes or 0
         limit = buffer_cache_limit(
             fraction, device_memory(), model_nbytes(model), pool_bytes, reserve
         )
