@@ -93,6 +93,20 @@ SETTINGS: tuple[Setting, ...] = (
         maximum=1.0,
     ),
     Setting("radix.eviction", "lru", "which cached prefixes go first", choices=("lru", "lfu")),
+    Setting(
+        "radix.snapshot_every",
+        64,
+        "hybrid models (recurrent layers): pages between snapshots of the recurrent state "
+        "in a long prompt; 0: only at message ends and the prompt's end",
+        minimum=0,
+    ),
+    Setting(
+        "radix.snapshot_mib",
+        0,
+        "hybrid models: MiB for recurrent-state snapshots, apart from the pages; 0: a quarter "
+        "of the pool's memory",
+        minimum=0,
+    ),
     Setting("decode.batched", True, "decode concurrent requests in one batch"),
     Setting("decode.max_batch_size", 32, "most requests decoded together", minimum=1, maximum=4096),
     Setting(

@@ -33,7 +33,7 @@ def test_config_init_show_validate(run, tmp_path):
     assert run("config", "init", str(path)).exit_code == 2  # refuses to overwrite
     assert run("config", "init", str(path), "--force").exit_code == 0
     result = run("config", "validate", str(path))
-    assert result.exit_code == 0 and "ok (12 of 12 keys set)" in result.output
+    assert result.exit_code == 0 and "ok (14 of 14 keys set)" in result.output
     path.write_text("[radix]\npage_size = 8\n")
     shown = json.loads(run("config", "show", "--config", str(path), "--json").output)
     assert shown["radix.page_size"] == {"value": 8, "source": f"file {path}"}

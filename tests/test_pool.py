@@ -24,8 +24,9 @@ from mlx_radix_plugin.memory.pool import inspect_model, layer_groups, model_nbyt
 @pytest.mark.parametrize("arch", ARCHS)
 def test_inspect_model_reads_heads_dims_windows_and_dtype(loaded, arch):
     model, _ = loaded(arch)
-    specs, dtype = inspect_model(model)
+    specs, dtype, layout = inspect_model(model)
     assert dtype == mx.float32
+    assert layout == tuple(range(len(specs)))
     expected = {
         "gemma3_text": [LayerSpec(1, 16, 16, w) for w in (8, None, 8, None)],
         "gpt_oss": [LayerSpec(2, 16, 16, 8), LayerSpec(2, 16, 16)],
@@ -42,7 +43,7 @@ def test_kv_dtype_of_a_quantized_model_is_the_activations(model_dirs):
     model, _ = load(str(model_dirs["llama"]))
     nn.quantize(model, group_size=32, bits=4)
     assert model.layers[0].self_attn.k_proj.weight.dtype == mx.uint32
-    _, dtype = inspect_model(model)
+    _, dtype, _ = inspect_model(model)
     assert dtype == mx.float32
 
 
@@ -59,7 +60,7 @@ class _FakeModel(nn.Module):
 @pytest.mark.parametrize(
     "cache, reason",
     [
-        (ArraysCache(2), "layer 0 uses ArraysCache"),
+        (ArraysCache(2), "no attention layer"),
         (RotatingKVCache(max_size=64, keep=4), r"RotatingKVCache\(keep=4\)"),
     ],
 )

@@ -106,8 +106,62 @@ CONFIGS: dict[str, dict] = {
         use_double_wide_mlp=False,
         tie_word_embeddings=True,
     ),
+    # Hybrid models: recurrent layers (an ArraysCache each) between attention layers.
+    # Gated delta net layers 0 and 2, full attention layers 1 and 3. Flat, without the
+    # multimodal wrapper's text_config: qwen3_5.ModelArgs.from_dict takes a flat config as
+    # the text config. mlx-lm's Metal kernel needs key heads of a multiple of 32 dims.
+    "qwen3_5": dict(
+        _BASE,
+        model_type="qwen3_5",
+        num_hidden_layers=4,
+        head_dim=16,
+        full_attention_interval=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    ),
+    # Mamba-2, attention, MLP, Mamba-2 (only "M" and "*" layers have a cache). mlx-lm's
+    # Metal decode kernel needs a state of a multiple of 32.
+    "nemotron_h": dict(
+        _BASE,
+        model_type="nemotron_h",
+        hybrid_override_pattern="M*-M",
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=32,
+        conv_kernel=4,
+        layer_norm_epsilon=1e-5,
+        attention_bias=False,
+        mamba_proj_bias=False,
+        mlp_bias=False,
+        use_bias=False,
+        use_conv_bias=True,
+    ),
+    # Short convolutions (window 3) on layers 0 and 2, full attention on layers 1 and 3.
+    "lfm2": dict(
+        _BASE,
+        model_type="lfm2",
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=64,
+        block_ff_dim=128,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        tie_word_embeddings=True,
+    ),
 }
-ARCHS = tuple(CONFIGS)
+# Models whose cache holds recurrent state besides keys and values.
+HYBRID_ARCHS = ("qwen3_5", "nemotron_h", "lfm2")
+ARCHS = tuple(a for a in CONFIGS if a not in HYBRID_ARCHS)
 
 
 def build_tokenizer(path: Path) -> None:

@@ -202,9 +202,13 @@ class BatchRows:
 
 
 def rows_of(caches: list) -> BatchRows | None:
-    """The rows behind a batch's caches, if they are the pool's (either kind of batch)."""
-    rows = getattr(caches[0], "rows", None) if caches else None
-    return rows if isinstance(rows, BatchRows) else None
+    """The rows behind a batch's caches, if they are the pool's (either kind of batch);
+    a hybrid model's recurrent layers come first in some models, and have none."""
+    for c in caches:
+        rows = getattr(c, "rows", None)
+        if rows is not None:
+            return rows if isinstance(rows, BatchRows) else None
+    return None
 
 
 # Layers of one merge share one BatchRows: mlx-lm merges a batch layer by layer.

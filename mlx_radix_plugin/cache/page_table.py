@@ -59,6 +59,8 @@ class PageTable:
         self.prompt_committed = True  # no prompt to commit unless fetch says so
         self.overflowed = False  # the pool had no page for it: later tokens stay uncached
         self.depends: tuple | None = None
+        # A hybrid model's request: the recurrent states it snapshots (recurrent.py).
+        self.recurrent = None
         self._hold = _Hold(pool, self.pages, unlock)
         # Dropped without release() (a disconnect, an error): give back on the owner's thread.
         self._finalizer = weakref.finalize(self, pool.defer, self._hold)

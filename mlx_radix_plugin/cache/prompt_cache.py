@@ -21,8 +21,10 @@ from mlx_lm.models.cache import KVCache
 from ..memory.allocator import OutOfPages
 from ..memory.pool import KVPool, page_slots
 from ..memory.radix_tree import MatchResult, RadixTree, TreeNode
+from ..memory.snapshots import SnapshotStore
 from .page_table import PageTable
 from .pool_backed import PoolBackedCache
+from .recurrent import RecurrentTrack, Snapshot, fresh_caches
 
 
 def _locked(method):
@@ -55,6 +57,10 @@ class RadixPromptCache:
     def __init__(self, pool: KVPool, *, eviction: str = "lru"):
         self.pool = pool
         self.tree = RadixTree(page_size=pool.page_size, policy=eviction)
+        # A hybrid model's recurrent states, at page-aligned positions (snapshots.py).
+        self.recurrent = pool.recurrent
+        self.snapshots = SnapshotStore(pool.snapshot_budget if self.recurrent else 0)
+        self.tree.on_remove = self.snapshots.forget
         self.counters = CacheCounters()
         # Requests whose prompt pages are not all in the tree yet: later requests
         # with the same prefix share their pages instead of computing them again.
@@ -90,6 +96,8 @@ class RadixPromptCache:
         """
         tokens = list(tokens)
         match = self.tree.match_prefix(model_key, tokens[:-1])
+        if self.recurrent:
+            return self._fetch_hybrid(model_key, tokens, match)
         self.tree.lock(match.node)
         self.pool.allocator.incref(match.pages)
         table = PageTable(
@@ -112,18 +120,62 @@ class RadixPromptCache:
                 table.written = n
             except OutOfPages:
                 pass  # the server's thread must not die on a fetch: recompute those tokens
+        self._admit_table(table, n)
+        caches = [PoolBackedCache(table, i, offset=n) for i in range(self.pool.num_layers)]
+        return caches, tokens[n:]
+
+    def _admit_table(self, table: PageTable, n: int) -> None:
+        """Count a fetch that hands ``n`` cached tokens to ``table``."""
         # No page is reserved for the rest of the prompt yet: a queued request holds only
         # what it matched, and reserves when the engine admits it (or as its prefill goes).
         self._inflight.add(table)
         self._tables.add(table)
         c = self.counters
-        c.prompt_tokens += len(tokens)
+        c.prompt_tokens += len(table.tokens)
         c.cached_tokens += n
         if n:
             c.hits += 1
         else:
             c.misses += 1
-        caches = [PoolBackedCache(table, i, offset=n) for i in range(self.pool.num_layers)]
+
+    def _fetch_hybrid(
+        self, model_key: Hashable, tokens: list[int], match: MatchResult
+    ) -> tuple[list[Any], list[int]]:
+        """A hybrid model's fetch: it resumes at the deepest matched node holding a snapshot
+        of the recurrent layers, with the K/V pages up to there; nothing in between."""
+        node, n = match.node, match.length
+        while not node.is_root and node not in self.snapshots:
+            n -= len(node.tokens)
+            node = node.parent
+        snapshot = self.snapshots.get(node) if not node.is_root else None
+        pages = match.pages[: n // self.pool.page_size]
+        self.tree.lock(node)
+        self.pool.allocator.incref(pages)
+        table = PageTable(self.pool, pages, n, unlock=partial(self._unlock, node))
+        table.model_key, table.tokens, table.committed = model_key, tokens, n
+        table.prompt_committed = False
+        track = table.recurrent = RecurrentTrack()
+        if match.length > n:
+            # The K/V match runs deeper than any snapshot: a snapshot where it ends lets
+            # the next request on this branch resume there (the engine takes it).
+            track.wanted.add(match.length)
+        if self.share_inflight:
+            producer, shared = self._inflight_match(model_key, tokens, n)
+            # The producer must stop its prefill where this one takes over, and leave its
+            # state there (the engine restores it then); one already past is not waited for.
+            if producer is not None and producer.recurrent.want(shared):
+                table.depends = (weakref.ref(producer), n, shared)
+                table.shared_tokens = n = shared
+        caches: list[Any] = [None] * len(self.pool.layout)
+        for e, layer in enumerate(self.pool.layout):
+            if layer is not None:
+                caches[e] = PoolBackedCache(table, layer, offset=n)
+        states = fresh_caches([self.pool.state_sizes[e] for e in self.recurrent])
+        for e, cache in zip(self.recurrent, states):
+            caches[e] = cache
+        if snapshot is not None:
+            snapshot.restore(caches, self.recurrent)
+        self._admit_table(table, n)
         return caches, tokens[n:]
 
     @_locked
@@ -144,16 +196,28 @@ class RadixPromptCache:
         """
         if not prompt_cache:
             return
-        first = prompt_cache[0]
+        kv = self._kv_caches(prompt_cache)
+        first = kv[0] if kv else None
         if isinstance(first, PoolBackedCache) and first.table.pool is self.pool:
             table = first.table
             # Filed under the key the pages were fetched under: the server inserts with the
             # model's key, which a request's cache_salt extends (mlx_lm_hooks/salt.py).
             model_key = table.model_key if table.model_key is not None else model_key
-            if table.released or any(getattr(c, "table", None) is not table for c in prompt_cache):
+            if table.released or any(getattr(c, "table", None) is not table for c in kv):
                 return
             # Only what reached the pool: a request that ran out of pages went on privately.
-            n = min(min(c.offset for c in prompt_cache), len(tokens), table.written)
+            n = min(min(c.offset for c in kv), len(tokens), table.written)
+            track = table.recurrent
+            if (
+                track is not None
+                and not table.in_batch
+                and n % self.pool.page_size == 0
+                and not table.overflowed
+            ):
+                # A request that ends on a page boundary: its final state is a snapshot.
+                final = Snapshot.of_request(prompt_cache, self.recurrent)
+                if final is not None:
+                    track.decoded = (n, final)
             prompt = table.tokens or []
             if list(tokens[: len(prompt)]) != prompt[: len(tokens)]:
                 # Not the tokens this table's pages hold: committing would file K/V
@@ -170,6 +234,25 @@ class RadixPromptCache:
                 table.release()
         elif self._ingestible(prompt_cache):
             self._ingest(model_key, tokens, prompt_cache)
+
+    @_locked
+    def snapshot_of(self, table: PageTable, position: int) -> Snapshot | None:
+        """The recurrent state ``table``'s request left at ``position``, if it left one."""
+        track = table.recurrent
+        if track is None:
+            return None
+        if position in track.captured:
+            return track.captured[position]
+        if track.decoded is not None and track.decoded[0] == position:
+            return track.decoded[1]
+        node = self.tree.node_ending_at(table.model_key, table.tokens[:position])
+        return self.snapshots.get(node) if node is not None else None
+
+    def _kv_caches(self, prompt_cache: list[Any]) -> list[Any]:
+        """The entries of a request's cache that hold K/V (all of them, but a hybrid's)."""
+        if self.recurrent and len(prompt_cache) == len(self.pool.layout):
+            return [c for c, layer in zip(prompt_cache, self.pool.layout) if layer is not None]
+        return prompt_cache
 
     @_locked
     def release(self, table: PageTable) -> None:
@@ -294,6 +377,23 @@ class RadixPromptCache:
         # back those of the tails it superseded (the same page, when one was completed).
         self.pool.allocator.incref(pages[-(-cached // self.pool.page_size) :])
         self.pool.allocator.decref(dropped)
+        if table.recurrent is not None:
+            self._attach_snapshots(model_key, tokens, table.recurrent, n)
+
+    def _attach_snapshots(
+        self, model_key: Hashable, tokens: Sequence[int], track: RecurrentTrack, n: int
+    ) -> None:
+        """Hang the snapshots a request took at or below ``n`` (now in the tree) on the
+        nodes that end at their positions."""
+        taken = [(d, s) for d, s in track.captured.items() if d <= n]
+        if track.decoded is not None and track.decoded[0] <= n:
+            taken.append(track.decoded)
+            track.decoded = None
+        for d, snapshot in taken:
+            track.captured.pop(d, None)
+            node = self.tree.node_ending_at(model_key, list(tokens[:d]))
+            if node is not None:
+                self.snapshots.put(node, snapshot, snapshot.nbytes)
 
     def _ingestible(self, prompt_cache: list[Any]) -> bool:
         return (
@@ -355,4 +455,10 @@ POOL_STATS: dict[str, Callable[[RadixPromptCache], int]] = {
     # Fetched and not yet given back (releases queued by dropped caches have run: every
     # locked method runs them first).
     "requests_holding_pages": lambda c: sum(not t.released for t in c._tables),
+    # A hybrid model's recurrent-state snapshots (memory/snapshots.py); 0 for the others.
+    "snapshots": lambda c: len(c.snapshots),
+    "snapshot_bytes": lambda c: c.snapshots.nbytes,
+    "snapshot_bytes_max": lambda c: c.snapshots.budget_bytes,
+    "snapshot_hits": lambda c: c.snapshots.hits,
+    "snapshot_evictions": lambda c: c.snapshots.evictions,
 }

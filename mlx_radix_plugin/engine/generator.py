@@ -16,21 +16,28 @@ sequences and removal; its batch caches become pool-backed through
   requests start before it; one that cannot fit even with nothing running is served
   uncached from the batch buffer;
 - the decode path (``decode_path.py``), and each response's sampled log-probability on the
-  host (``_host_logprobs``).
+  host (``_host_logprobs``);
+- a hybrid model's recurrent-state snapshots (``cache/recurrent.py``): the positions a
+  request should leave a snapshot at become ends of its prefill segments, where the
+  state is taken, and while it decodes, the state at the last page boundary it crossed.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
+from functools import partial
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import ArraysCache
 
 from ..cache.batch import rows_of
 from ..cache.page_table import PageTable
 from ..cache.pool_backed import PoolBackedCache
 from ..cache.prompt_cache import RadixPromptCache
+from ..cache.recurrent import Snapshot, cut_segments
 from ..memory.allocator import OutOfPages
 from . import attention
 from .decode_path import RULES, DecodePath
@@ -56,21 +63,42 @@ class TokenLogprobs(mx.array):
         return super().__getitem__(index)
 
 
-def _table(sequence) -> PageTable | None:
-    cache = sequence[3]
-    if cache and isinstance(cache[0], PoolBackedCache):
-        return cache[0].table
+def _pool_cache(sequence) -> PoolBackedCache | None:
+    """A request's first pool-backed layer (a hybrid's first layers may be recurrent)."""
+    for c in sequence[3] or ():
+        if isinstance(c, PoolBackedCache):
+            return c
+        if type(c) is not ArraysCache:
+            return None
     return None
 
 
+def _table(sequence) -> PageTable | None:
+    cache = _pool_cache(sequence)
+    return cache.table if cache is not None else None
+
+
 class RadixBatchGenerator(BatchGenerator):
-    def __init__(self, model, radix: RadixPromptCache, *, shared_prefix: str = "off", **kwargs):
-        """``shared_prefix``: ``auto``, ``on`` or ``off`` (engine/decode_path.py)."""
+    def __init__(
+        self,
+        model,
+        radix: RadixPromptCache,
+        *,
+        shared_prefix: str = "off",
+        snapshot_every: int = 64,
+        **kwargs,
+    ):
+        """``shared_prefix``: ``auto``, ``on`` or ``off`` (engine/decode_path.py);
+        ``snapshot_every``: pages between a hybrid model's prefill snapshots (0: none)."""
         super().__init__(model, **kwargs)
         self.radix = radix
+        self.snapshot_every = snapshot_every
         radix.share_inflight = True
         self._ran = False
         self._passed_over: dict[int, int] = {}  # uid -> later requests started before it
+        if radix.recurrent and shared_prefix != "off":
+            log.info("shared-prefix decode off: a hybrid model's batch holds recurrent states")
+            shared_prefix = "off"
         calls = attention.attention_calls(model, radix.pool) if shared_prefix != "off" else 0
         if calls is None:
             log.info(
@@ -117,14 +145,24 @@ class RadixBatchGenerator(BatchGenerator):
         gone. False while it waits."""
         producer_ref, start, upto = table.depends
         producer = producer_ref()
-        if producer is not None and not producer.released and producer.written >= upto:
+        ready = producer is not None and not producer.released and producer.written >= upto
+        state = None
+        if ready and table.recurrent is not None:
+            # A hybrid's request takes the producer's recurrent state there too.
+            state = self.radix.snapshot_of(producer, upto)
+            ready = state is not None
+        if ready:
             ps = table.pool.page_size
             table.adopt(start, producer.pages[start // ps : upto // ps])
+            if state is not None:
+                state.restore(sequence[3], self.radix.recurrent)
             table.depends = None
             table.written = max(table.written, upto)
             return True
-        if producer is None or producer.released or producer.overflowed:
-            # It is gone, or the pool had no room for its pages: nothing to wait for.
+        gone = producer is None or producer.released or producer.overflowed
+        if gone or producer.written >= upto:
+            # It is gone, the pool had no room for its pages, or (a hybrid model) it passed
+            # that point without leaving its recurrent state there: nothing to wait for.
             self._compute_own_prefix(sequence, table, upto)
             return True
         return False
@@ -135,7 +173,7 @@ class RadixBatchGenerator(BatchGenerator):
         if table.overflowed or table.capacity >= len(table.tokens):
             return True
         try:
-            table.prepare_write(sequence[3][0].offset, len(table.tokens))
+            table.prepare_write(_pool_cache(sequence).offset, len(table.tokens))
         except OutOfPages:
             return False
         return True
@@ -157,8 +195,35 @@ class RadixBatchGenerator(BatchGenerator):
             segments[0] = span + list(segments[0])
         del all_tokens[start:]
         for c in cache:
-            c.offset = start
+            if isinstance(c, PoolBackedCache):
+                c.offset = start
         table.depends = None
+
+    def insert_segments(self, segments, *args, **kwargs):
+        uids = super().insert_segments(segments, *args, **kwargs)
+        if self.radix.recurrent:
+            for sequence in list(self._unprocessed_sequences)[-len(uids) :]:
+                table = _table(sequence)
+                if table is not None and table.recurrent is not None:
+                    self._plan_snapshots(sequence, table)
+        return uids
+
+    def _plan_snapshots(self, sequence, table: PageTable) -> None:
+        """Where a hybrid model's request leaves snapshots of its recurrent state, made
+        into ends of its prefill segments: the page boundaries at or before the server's
+        segment ends (system prompt, messages) and the prompt's last token, every
+        ``snapshot_every`` pages, and where its K/V match ended (``_fetch_hybrid``)."""
+        segments, track = sequence[1], table.recurrent
+        total = len(sequence[4]) + sum(len(s) for s in segments)
+        ps, every = table.pool.page_size, self.snapshot_every * table.pool.page_size
+        start = len(sequence[4])
+        ends = list(itertools.accumulate((len(s) for s in segments), initial=start))[1:-1]
+        wanted = {e // ps * ps for e in ends} | set(range(every, total - 1, every) if every else ())
+        wanted |= {w for w in track.wanted}
+        track.cut = partial(cut_segments, segments, total)
+        track.wanted = set()
+        for position in sorted(w for w in wanted if start < w < total):
+            track.want(position)
 
     def remove(self, uids, return_prompt_caches=False):
         # mlx_lm.server keeps the last fetched cache in a local until its next request:
@@ -210,6 +275,35 @@ class RadixBatchGenerator(BatchGenerator):
         self._unprocessed_sequences = deque(ready + waiting)
         return super()._make_batch(len(ready))
 
+    def _take_snapshots(self) -> None:
+        """Take a hybrid model's recurrent state where its requests stand now: at the
+        positions a prefill wanted, and at each page boundary a decode crosses (the latest
+        replaces the one before: it is what the next turn of a chat resumes from)."""
+        ps, entries = self.radix.pool.page_size, self.radix.recurrent
+        taken = []
+        for batch, decoding in ((self._prompt_batch, False), (self._generation_batch, True)):
+            rows = rows_of(batch.prompt_cache)
+            if rows is None:
+                continue
+            for i, table in enumerate(rows.tables):
+                track, at = table.recurrent, table.written
+                if track is None or table.overflowed or not at:
+                    continue
+                if decoding:
+                    if at % ps or (track.decoded is not None and track.decoded[0] >= at):
+                        continue
+                    snapshot = Snapshot.capture(batch.prompt_cache, entries, i)
+                    track.decoded = (at, snapshot)
+                elif at in track.wanted and at not in track.captured:
+                    snapshot = Snapshot.capture(batch.prompt_cache, entries, i)
+                    track.captured[at] = snapshot
+                else:
+                    continue
+                taken += snapshot.to_eval()
+        if taken:
+            # Evaluated behind the step that made them, so they hold no batch array alive.
+            mx.async_eval(taken)
+
     def _host_logprobs(self, responses) -> None:
         """Give each generated token's log-probabilities their token's value on the host.
 
@@ -251,6 +345,8 @@ class RadixBatchGenerator(BatchGenerator):
             self.radix.pool.settle()
             mx.async_eval(self.radix.pool.arrays)
         self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
+        if self.radix.recurrent:
+            self._take_snapshots()
         for batch in (self._prompt_batch, self._generation_batch):
             rows = rows_of(batch.prompt_cache)
             if rows is not None:

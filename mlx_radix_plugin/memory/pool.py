@@ -40,7 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from .allocator import PageAllocator
 from .budget import (
@@ -90,14 +90,21 @@ class _ProbeCache:
         return None
 
 
-def inspect_model(model: nn.Module) -> tuple[list[LayerSpec], mx.Dtype]:
-    """Per-layer K/V geometry and the KV dtype, read off one lazy forward pass.
+def inspect_model(model: nn.Module) -> tuple[list[LayerSpec], mx.Dtype, tuple[int | None, ...]]:
+    """Per-layer K/V geometry, the KV dtype and the layout, read off one lazy forward pass.
 
-    The dtype is the activations' (never a quantized weight's packed integer type),
-    since it is what the attention layers actually hand to their cache.
+    The layout has an entry per entry of the model's cache: the pool layer that holds its
+    K/V, or None for a recurrent layer (mlx-lm's ``ArraysCache``: conv and SSM states),
+    whose state is kept as snapshots instead (snapshots.py). The dtype is the
+    activations' (never a quantized weight's packed integer type), since it is what the
+    attention layers actually hand to their cache.
     """
-    windows = []
+    windows, layout, probes = [], [], []
     for i, c in enumerate(make_prompt_cache(model)):
+        if type(c) is ArraysCache:
+            layout.append(None)
+            probes.append(c)  # the model's own: a recurrent layer reads its arrays
+            continue
         if type(c) is KVCache:
             windows.append(None)
         elif type(c) is RotatingKVCache and c.keep == 0:
@@ -106,20 +113,25 @@ def inspect_model(model: nn.Module) -> tuple[list[LayerSpec], mx.Dtype]:
             raise UnsupportedModel(
                 f"layer {i} uses {type(c).__name__}"
                 + (f"(keep={c.keep})" if isinstance(c, RotatingKVCache) else "")
-                + "; the radix pool holds plain and sliding-window attention K/V only"
+                + "; the radix pool holds plain and sliding-window attention K/V and"
+                " recurrent (ArraysCache) states only"
             )
-    probes = [_ProbeCache() for _ in windows]
+        layout.append(len(windows) - 1)
+        probes.append(_ProbeCache())
+    if not windows:
+        raise UnsupportedModel("the model has no attention layer: nothing for the pool to hold")
     model(mx.array([[0]], dtype=mx.int32), cache=probes)
     specs, dtypes = [], set()
-    for i, (p, w) in enumerate(zip(probes, windows)):
+    kv_probes = [p for p, where in zip(probes, layout) if where is not None]
+    for i, (p, w) in enumerate(zip(kv_probes, windows)):
         if p.seen is None:
-            raise UnsupportedModel(f"layer {i} never wrote to its cache")
+            raise UnsupportedModel(f"layer {layout.index(i)} never wrote to its cache")
         heads, dk, dv, dtype = p.seen
         specs.append(LayerSpec(heads, dk, dv, w))
         dtypes.add(dtype)
     if len(dtypes) != 1:
         raise UnsupportedModel(f"layers produce K/V of several dtypes: {sorted(map(str, dtypes))}")
-    return specs, dtypes.pop()
+    return specs, dtypes.pop(), tuple(layout)
 
 
 def model_nbytes(model: nn.Module) -> int:
@@ -204,6 +216,11 @@ class KVPool:
         # The stream of an evaluation that reads the pool and may still run (``reading``).
         self._reader: mx.Stream | None = None
         self.plan: MemoryPlan | None = None  # how for_model sized it
+        # Per entry of the model's cache, the pool layer holding its K/V, or None for a
+        # recurrent layer (inspect_model); one pool layer an entry unless for_model says.
+        self.layout: tuple[int | None, ...] = tuple(range(len(specs)))
+        self.state_sizes: dict[int, int] = {}  # recurrent entry -> its ArraysCache's arrays
+        self.snapshot_budget = 0  # bytes for the recurrent-state snapshots (snapshots.py)
         # What holds K/V outside the pool (batch buffers, private copies): objects with a
         # ``buffer_nbytes``, counted in ``buffer_bytes`` while they live.
         self._buffers: weakref.WeakSet = weakref.WeakSet()
@@ -222,13 +239,18 @@ class KVPool:
         max_batch_size: int = 32,
         prefill_step_size: int = 2048,
         chunk_bytes: int | None = None,
+        snapshot_bytes: int | None = None,
     ) -> KVPool:
         """A pool for ``model`` that grows to ``pool_tokens`` tokens if given, else to the
         ceiling ``plan_memory`` gives it on ``memory`` (``plan`` says how); its chunks of
-        about ``chunk_bytes`` (default: ``chunk_bytes_for`` the ceiling) come as needed."""
+        about ``chunk_bytes`` (default: ``chunk_bytes_for`` the ceiling) come as needed.
+
+        A hybrid model's recurrent-state snapshots get ``snapshot_bytes`` of their own
+        (``snapshot_budget``); by default a quarter of what the plan gives the pool, or a
+        third of the pages' bytes on top of a pool sized in tokens."""
         if pool_tokens is not None and pool_tokens < page_size:
             raise ValueError(f"pool_tokens must be >= page_size ({page_size}), got {pool_tokens}")
-        specs, dtype = inspect_model(model)
+        specs, dtype, layout = inspect_model(model)
         per_token = sum(s.bytes_per_token(dtype) for s in specs)
         plan = plan_memory(
             memory or device_memory(),
@@ -240,11 +262,24 @@ class KVPool:
             buffer_reserve=buffer_reserve_bytes(per_token, max_batch_size),
         )
         page_bytes = per_token * page_size
-        pages = max(1, plan.pool_bytes // page_bytes)
+        pages_bytes = plan.pool_bytes
+        state_sizes = {
+            i: len(c.cache) for i, c in enumerate(make_prompt_cache(model)) if layout[i] is None
+        }
+        if state_sizes:
+            # Snapshots are far larger than pages, with a budget of their own (snapshots.py).
+            if snapshot_bytes is None:
+                snapshot_bytes = plan.pool_bytes // (3 if pool_tokens else 4)
+            if not pool_tokens:
+                pages_bytes = max(page_bytes, plan.pool_bytes - snapshot_bytes)
+        pages = max(1, pages_bytes // page_bytes)
         chunk_bytes = chunk_bytes or chunk_bytes_for(pages * page_bytes, per_token)
         chunks = -(-pages // max(1, chunk_bytes // page_bytes))
         pool = cls(specs, pages // chunks * chunks, page_size, dtype, chunk_pages=pages // chunks)
         pool.plan = plan
+        pool.layout = layout
+        pool.state_sizes = state_sizes
+        pool.snapshot_budget = (snapshot_bytes or 0) if state_sizes else 0
         return pool
 
     # -- accounting --------------------------------------------------------------
@@ -252,6 +287,11 @@ class KVPool:
     @property
     def num_layers(self) -> int:
         return len(self.specs)
+
+    @property
+    def recurrent(self) -> list[int]:
+        """Entries of the model's cache that hold recurrent state, not K/V."""
+        return [i for i, layer in enumerate(self.layout) if layer is None]
 
     @property
     def num_pages(self) -> int:

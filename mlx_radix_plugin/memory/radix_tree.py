@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -30,7 +30,16 @@ EVICTION_POLICIES = ("lru", "lfu")
 class TreeNode:
     """A run of whole pages, or a tail (one page, fewer than ``page_size`` tokens)."""
 
-    __slots__ = ("tokens", "pages", "children", "parent", "lock_ref", "last_access", "hits")
+    __slots__ = (
+        "tokens",
+        "pages",
+        "children",
+        "parent",
+        "lock_ref",
+        "last_access",
+        "hits",
+        "snapshot",
+    )
 
     def __init__(self, tokens: tuple[int, ...], pages: list[int], parent: TreeNode | None):
         self.tokens = tokens
@@ -40,6 +49,8 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0
         self.hits = 0
+        # A hybrid model's recurrent state at this node's end (snapshots.py); None if none.
+        self.snapshot = None
 
     @property
     def is_root(self) -> bool:
@@ -93,6 +104,8 @@ class RadixTree:
     evictable_pages: int = 0
     protected_pages: int = 0
     locks: int = 0  # lock() calls not yet undone: one per request holding a prefix
+    # Told of every node taken out of the tree (the snapshot store forgets its snapshot).
+    on_remove: Callable[[TreeNode], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -178,6 +191,26 @@ class RadixTree:
             if n > best:
                 best_node, best = child, n
         return best_node, best
+
+    def node_ending_at(self, namespace: Hashable, tokens: Sequence[int]) -> TreeNode | None:
+        """The node that ends after ``tokens`` (whole pages), split there if need be; None
+        if the tree does not hold them all. Touches no access count: it finds, not uses."""
+        ps = self.page_size
+        if len(tokens) % ps or not tokens:
+            return None
+        node, pos = self._root(namespace), 0
+        while pos < len(tokens):
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None or self.is_tail(child):
+                return None
+            k = self._common_pages(child, tokens, pos)
+            if k == 0:
+                return None
+            if k < len(child.pages):
+                child = self._split(child, k)
+            pos += k * ps
+            node = child
+        return node
 
     def is_tail(self, node: TreeNode) -> bool:
         return len(node.tokens) < self.page_size and not node.is_root
@@ -278,6 +311,8 @@ class RadixTree:
         node.parent = None
         if parent.is_root or parent.children:
             ns.leaves -= 1  # else the parent is a leaf now, in its place
+        if self.on_remove is not None:
+            self.on_remove(node)
         return node.pages
 
     def lock(self, node: TreeNode) -> None:

@@ -119,7 +119,11 @@ class RadixPlugin:
         radix = self.cache.radix if self.cache is not None else None
         if radix is not None:
             engine = RadixBatchGenerator(
-                model, radix, shared_prefix=self.config["decode.shared_prefix"], **capped
+                model,
+                radix,
+                shared_prefix=self.config["decode.shared_prefix"],
+                snapshot_every=self.config["radix.snapshot_every"],
+                **capped,
             )
             self.engine = weakref.ref(engine)
             return engine

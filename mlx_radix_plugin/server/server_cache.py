@@ -70,6 +70,7 @@ class ServerPromptCache:
                     max_batch_size=cfg["decode.max_batch_size"],
                     chunk_bytes=cfg["radix.chunk_mib"] << 20 or None,
                     prefill_step_size=getattr(cli_args, "prefill_step_size", None) or 2048,
+                    snapshot_bytes=cfg["radix.snapshot_mib"] << 20 or None,
                 )
             except UnsupportedModel as e:
                 reason = str(e)
@@ -96,6 +97,14 @@ class ServerPromptCache:
                     plan.working_bytes / 2**30,
                     plan.margin_bytes / 2**30,
                 )
+                if pool.recurrent:
+                    log.info(
+                        "radix KV pool: hybrid model, %d of %d layers recurrent; their state "
+                        "is kept in snapshots, up to %.1f MiB",
+                        len(pool.recurrent),
+                        len(pool.layout),
+                        pool.snapshot_budget / 2**20,
+                    )
         self.fallback = reason
         if reason is not None:
             log.warning("radix cache off for %s, stock prompt cache instead: %s", model_key, reason)
