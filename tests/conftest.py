@@ -22,13 +22,13 @@ from mlx_lm_hooks import blas  # noqa: E402
 
 blas.preload()
 
-from tiny_models import ARCHS, build_model  # noqa: E402
+from tiny_models import ARCHS, HYBRID_ARCHS, build_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {arch: build_model(arch, root / arch) for arch in ARCHS}
+    return {arch: build_model(arch, root / arch) for arch in ARCHS + HYBRID_ARCHS}
 
 
 @pytest.fixture(scope="session")

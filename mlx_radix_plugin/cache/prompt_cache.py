@@ -166,6 +166,7 @@ class RadixPromptCache:
             if producer is not None and producer.recurrent.want(shared):
                 table.depends = (weakref.ref(producer), n, shared)
                 table.shared_tokens = n = shared
+        track.start = n
         caches: list[Any] = [None] * len(self.pool.layout)
         for e, layer in enumerate(self.pool.layout):
             if layer is not None:
@@ -175,6 +176,7 @@ class RadixPromptCache:
             caches[e] = cache
         if snapshot is not None:
             snapshot.restore(caches, self.recurrent)
+            track.resumed = snapshot
         self._admit_table(table, n)
         return caches, tokens[n:]
 
@@ -245,6 +247,8 @@ class RadixPromptCache:
             return track.captured[position]
         if track.decoded is not None and track.decoded[0] == position:
             return track.decoded[1]
+        if position == track.start and table.depends is None:
+            return track.resumed
         node = self.tree.node_ending_at(table.model_key, table.tokens[:position])
         return self.snapshots.get(node) if node is not None else None
 

@@ -65,15 +65,17 @@ def fresh_caches(sizes: Sequence[int]) -> list[ArraysCache]:
 class RecurrentTrack:
     """What a request of a hybrid model snapshots, and what it took not yet in the tree."""
 
+    start: int = 0  # where the request's prefill starts: its state there comes with it
     wanted: set[int] = field(default_factory=set)  # positions to snapshot during prefill
     captured: dict[int, Snapshot] = field(default_factory=dict)
     decoded: tuple[int, Snapshot] | None = None  # the latest page boundary crossed decoding
+    resumed: Snapshot | None = None  # the state at ``start``, once the request has it
     # Makes a position a prefill segment end, if the request has not passed it (engine).
     cut: Callable[[int], bool] | None = None
 
     def want(self, position: int) -> bool:
         """Snapshot at ``position`` too; False if that is no longer possible."""
-        if position in self.captured or position in self.wanted:
+        if position in self.captured or position in self.wanted or position == self.start:
             return True
         if self.cut is not None and not self.cut(position):
             return False

@@ -156,6 +156,7 @@ class RadixBatchGenerator(BatchGenerator):
             table.adopt(start, producer.pages[start // ps : upto // ps])
             if state is not None:
                 state.restore(sequence[3], self.radix.recurrent)
+                table.recurrent.resumed = state  # for a request that waits on this one
             table.depends = None
             table.written = max(table.written, upto)
             return True
@@ -197,6 +198,8 @@ class RadixBatchGenerator(BatchGenerator):
         for c in cache:
             if isinstance(c, PoolBackedCache):
                 c.offset = start
+        if table.recurrent is not None:
+            table.recurrent.start = start  # its state is the one it was fetched with
         table.depends = None
 
     def insert_segments(self, segments, *args, **kwargs):

@@ -1,0 +1,234 @@
+"""Hybrid models (recurrent layers between attention layers) served from the pool: the
+recurrent state resumes from snapshots, the answers are stock mlx-lm's.
+
+Stock's reference is a request generated on its own (``generate_step``). mlx-lm 0.32.2's
+``nemotron_h`` gives other answers in a batch whose prompts are right-padded (its Mamba-2
+mixer does not pass ``cache.lengths`` to its SSM update, so padding enters the state);
+its batches here have prompts, or remaining prompts, of one length.
+"""
+
+import os
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from test_generation import KEY, no_eos
+from tiny_models import HYBRID_ARCHS
+
+from mlx_radix_plugin import KVPool, RadixPromptCache
+from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
+from mlx_radix_plugin.engine.generator import RadixBatchGenerator
+
+PS = 4
+MAX_TOKENS = 8
+
+
+def stock(model, tokenizer, prompt):
+    """Greedy tokens and the first token's log-probabilities of a request on its own."""
+    out, first = [], None
+    steps = generate_step(
+        mx.array(prompt),
+        model,
+        max_tokens=MAX_TOKENS,
+        prompt_cache=make_prompt_cache(model),
+        logits_processors=[no_eos(tokenizer.eos_token_ids)],
+    )
+    for token, logprobs in steps:
+        out.append(int(token))
+        first = logprobs if first is None else first
+    return out, first
+
+
+class Server:
+    """What mlx_lm.server does with the plugin's engine: fetch, cut the prompt's segments
+    by what was cached, insert; commit at segment ends and at the finish."""
+
+    def __init__(self, model, tokenizer, snapshot_mib=None, every=64, pool_tokens=4096):
+        pool = KVPool.for_model(
+            model,
+            page_size=PS,
+            pool_tokens=pool_tokens,
+            snapshot_bytes=None if snapshot_mib is None else int(snapshot_mib * 2**20),
+        )
+        self.rpc = RadixPromptCache(pool)
+        self.gen = RadixBatchGenerator(
+            model,
+            self.rpc,
+            snapshot_every=every,
+            completion_batch_size=8,
+            prefill_batch_size=4,
+            prefill_step_size=2048,
+        )
+        self.eos = tokenizer.eos_token_ids
+
+    def run(self, requests):
+        """``requests``: prompts, or lists of segments; all arrive together. Returns per
+        request (tokens, cached tokens, first token's log-probabilities)."""
+        uids, info = [], {}
+        for request in requests:
+            segments = [list(s) for s in request] if isinstance(request[0], list) else [request]
+            prompt = [t for s in segments for t in s]
+            cache, rest = self.rpc.fetch_nearest_cache(KEY, prompt)
+            n = len(prompt) - len(rest)
+            cached = n
+            while n > 0:
+                if n >= len(segments[0]):
+                    n -= len(segments.pop(0))
+                else:
+                    segments[0] = segments[0][n:]
+                    break
+            (uid,) = self.gen.insert_segments(
+                [segments],
+                max_tokens=[MAX_TOKENS],
+                caches=[cache],
+                all_tokens=[prompt[:cached]],
+                logits_processors=[[no_eos(self.eos)]],
+            )
+            uids.append(uid)
+            info[uid] = ([], cached, None)
+        done = 0
+        while done < len(uids):
+            prompt_responses, responses = self.gen.next()
+            ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt]
+            for cache, tokens in self.gen.extract_cache(ends).values():
+                self.rpc.insert_cache(KEY, tokens[:], cache)
+            for r in responses:
+                out, cached, first = info[r.uid]
+                out.append(r.token)
+                if first is None:
+                    info[r.uid] = (out, cached, mx.array(r.logprobs))
+                if r.finish_reason is not None:
+                    done += 1
+                    self.rpc.insert_cache(KEY, r.all_tokens, r.prompt_cache)
+        return [info[u] for u in uids]
+
+    def stats(self):
+        return self.rpc.stats()
+
+
+def check(model, tokenizer, served, prompts):
+    """Each request's tokens are stock's, and its first logits within the tolerance."""
+    for (out, _, first), prompt in zip(served, prompts):
+        if isinstance(prompt[0], list):
+            prompt = [t for s in prompt for t in s]
+        expected, logprobs = stock(model, tokenizer, prompt)
+        assert out == expected
+        diff = mx.abs(first.astype(mx.float32) - logprobs).max().item()
+        assert diff <= FIDELITY_TOLERANCE * mx.abs(logprobs).max().item()
+
+
+def words(tokenizer, text):
+    return tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_requests_one_after_another_equal_stock_and_resume_from_snapshots(loaded, arch):
+    model, tok = loaded(arch)
+    server = Server(model, tok)
+    system = words(tok, "You are a helpful assistant. Answer the question briefly. " * 2)
+    question = words(tok, " Where is Paris?")
+    cold = [system, question]
+
+    ((out, cached, _),) = server.run([cold])
+    check(model, tok, [(out, cached, _)], [cold])
+    assert cached == 0
+
+    # The same prompt again: all but the page the last token ends, from a snapshot.
+    prompt = system + question
+    served = server.run([prompt])
+    check(model, tok, served, [prompt])
+    assert served[0][1] == (len(prompt) - 1) // PS * PS
+
+    # Turn 2: turn 1, its answer and a new message. The decode left a snapshot at the last
+    # page boundary it crossed (mlx-lm's decode runs a step ahead: the last token may be in).
+    turn2 = prompt + out + words(tok, " And Berlin?")
+    served = server.run([turn2])
+    check(model, tok, served, [turn2])
+    assert served[0][1] >= (len(prompt) + len(out) - 1) // PS * PS
+
+    # The same system prompt, another question: it resumes where the system prompt's
+    # segment ended (the page boundary at or before it).
+    other = [system, words(tok, " Count: 1 2 3 4 5 6 7 8 9 10.")]
+    served = server.run([other])
+    check(model, tok, served, [other])
+    assert served[0][1] == len(system) // PS * PS
+    stats = server.stats()
+    assert stats["snapshots"] > 0 and stats["snapshot_hits"] == 3
+    assert stats["snapshot_bytes"] <= stats["snapshot_bytes_max"]
+    assert stats["pages_locked"] == 0 and stats["requests_holding_pages"] == 0
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_a_kv_match_deeper_than_any_snapshot_leaves_one_for_the_next(loaded, arch):
+    model, tok = loaded(arch)
+    server = Server(model, tok)
+    shared = words(tok, "Radix trees share prefixes; pages hold keys and values. " * 2)
+    a = shared + words(tok, " Paris is the capital of France.")
+    b = shared + words(tok, " Berlin is the capital of Germany.")
+    c = shared + words(tok, " once upon a time 1 2 3")
+    served = server.run([a])
+    # b's K/V match runs through the shared part, but a left no snapshot there: b computes
+    # from the start and leaves one where its match ended, for c.
+    served += server.run([b])
+    assert served[-1][1] == 0
+    served += server.run([c])
+    check(model, tok, served, [a, b, c])
+    assert served[-1][1] == len(shared) // PS * PS
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_a_concurrent_batch_computes_its_shared_prefix_once(loaded, arch):
+    model, tok = loaded(arch)
+    server = Server(model, tok)
+    system = words(tok, "You are a helpful assistant. Answer the question briefly. " * 2)
+    # Questions of one length (see the module's note on nemotron_h).
+    questions = [" Where is city 1?", " Where is city 2?", " Where is city 3?"]
+    prompts = [system + words(tok, q) for q in questions]
+    assert len({len(p) for p in prompts}) == 1
+    served = server.run(prompts)
+    check(model, tok, served, prompts)
+    # The later two take the first one's pages and recurrent state for the shared part.
+    shared = len(os.path.commonprefix(prompts)) // PS * PS
+    assert shared >= len(system) // PS * PS
+    assert [c for _, c, _ in served] == [0, shared, shared]
+    assert server.stats()["pages_locked"] == 0
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_evicted_snapshots_are_recomputed_with_the_same_answers(loaded, arch):
+    model, tok = loaded(arch)
+    probe = Server(model, tok)
+    probe.run([words(tok, "Paris is the capital of France.")])
+    one = probe.stats()["snapshot_bytes"] // probe.stats()["snapshots"]
+    # Room for two snapshots: every prompt's snapshots push out the ones before.
+    server = Server(model, tok, snapshot_mib=2.5 * one / 2**20)
+    prompts = [
+        words(tok, f"Question {i}: what is the capital of country number {i}? Answer briefly.")
+        for i in range(4)
+    ]
+    served = [r for p in prompts for r in server.run([p])]
+    again = [r for p in prompts for r in server.run([p])]
+    check(model, tok, served + again, prompts + prompts)
+    stats = server.stats()
+    assert stats["snapshot_evictions"] > 0 and stats["snapshots"] <= 2
+    assert stats["snapshot_bytes"] <= stats["snapshot_bytes_max"]
+    # The first prompts' snapshots were evicted: they were computed again.
+    assert again[0][1] == 0 and stats["pages_locked"] == 0
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_a_warm_resume_equals_a_cold_request_split_at_the_same_position(loaded, arch):
+    model, tok = loaded(arch)
+    prompt = words(tok, "Once upon a time there was a small model that learned to count.")
+    cut = len(prompt) // 2 // PS * PS
+    # Cold, its prefill split at ``cut``; then warm, resumed from the snapshot taken there.
+    server = Server(model, tok)
+    (cold,) = server.run([[prompt[:cut], prompt[cut:]]])
+    server = Server(model, tok)
+    server.run([prompt[: cut + 1]])  # leaves a snapshot at ``cut`` (its last page boundary)
+    (warm,) = server.run([prompt])
+    assert warm[1] == cut
+    assert warm[0] == cold[0]
+    diff = mx.abs(warm[2] - cold[2]).max().item()
+    assert diff <= FIDELITY_TOLERANCE * mx.abs(cold[2]).max().item()
