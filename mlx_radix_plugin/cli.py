@@ -231,6 +231,7 @@ def _model_report(model_path, cfg, mem) -> dict:
             memory=mem,
             max_batch_size=cfg["decode.max_batch_size"],
             chunk_bytes=cfg["radix.chunk_mib"] << 20 or None,
+            snapshot_bytes=cfg["radix.snapshot_mib"] << 20 or None,
         )
     except UnsupportedModel as e:
         return {**out, "radix_path": False, "why_not": str(e)}
@@ -247,6 +248,10 @@ def _model_report(model_path, cfg, mem) -> dict:
         pool_max_bytes=pool.max_nbytes,
         pool_chunk_bytes=pool.chunk_slots * pool.bytes_per_token,
     )
+    if pool.recurrent:
+        # A hybrid: its recurrent layers resume from snapshots (memory/snapshots.py).
+        out["recurrent_layers"] = len(pool.recurrent)
+        out["snapshot_max_bytes"] = pool.snapshot_budget
     if plan.buffer_reserve_bytes is not None:
         # K/V outside the pool beyond this is taken from the pool's room
         out["plan_buffer_reserve_bytes"] = plan.buffer_reserve_bytes

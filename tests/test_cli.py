@@ -100,6 +100,14 @@ def test_doctor_reports_backend_memory_and_model(run, model_dirs):
     assert all(n > 0 for n in plan) and "plan_warning" not in report
     assert report["plan_rule"] == "usable - model - working - margin"
     assert int(report["pool_max_bytes"]) <= int(report["memory_usable_bytes"]) - sum(plan[:2])
+    assert "recurrent_layers" not in report
+    # A hybrid model: its recurrent layers and the snapshots' budget, beside the pages'.
+    result = run("doctor", "--model", str(model_dirs["qwen3_5"]))
+    report = dict(line.split(None, 1) for line in result.output.splitlines())
+    assert report["radix_path"] == "True" and report["recurrent_layers"] == "2"
+    # 2 attention layers x 2 KV heads x (16 + 16) dims x 4 bytes
+    assert report["kv_bytes_per_token"] == str(2 * 2 * 32 * 4)
+    assert 0 < int(report["snapshot_max_bytes"]) < int(report["pool_max_bytes"])
 
 
 def test_register_commands_hook_adds_commands():

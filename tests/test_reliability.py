@@ -564,8 +564,16 @@ def test_idle_checks_catch_a_held_page_and_bad_counts():
         "prompt_tokens": 9,
         "cached_tokens": 4,
         "requests": {"length": 3},
+        "snapshots": 2,
+        "snapshot_bytes": 100,
+        "snapshot_bytes_max": 100,
     }
     assert soak.idle_violations(stats) == []
+    over = {**stats, "snapshots": 5, "snapshot_bytes": 101}
+    assert soak.live_violations(over) == [
+        "snapshots of 101 bytes over their budget of 100",
+        "5 snapshots on 4 cached pages",
+    ]
     held = {**stats, "pages_locked": 1, "pages_evictable": 3}
     assert soak.live_violations(held) == []  # fine while requests run
     assert "1 pages still locked" in soak.idle_violations(held)[0]
@@ -580,10 +588,12 @@ def test_idle_checks_catch_a_held_page_and_bad_counts():
 
 
 @pytest.mark.slow
-def test_soak(model_dirs, hf_cache):
-    """The soak command for two minutes (RADIX_SOAK_MINUTES sets another length locally)."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_soak(model_dirs, hf_cache, arch):
+    """The soak command for two minutes (RADIX_SOAK_MINUTES sets another length locally), on
+    an attention model and a hybrid one."""
     minutes = os.environ.get("RADIX_SOAK_MINUTES", "2")
-    cmd = [str(BIN / "mlx-radix"), "soak", "--model", str(model_dirs["llama"])]
+    cmd = [str(BIN / "mlx-radix"), "soak", "--model", str(model_dirs[arch])]
     cmd += ["--minutes", minutes, "--check-every", "10"]
     result = run_to_exit(cmd, server_env(hf_cache), timeout=int(float(minutes) * 60) + 300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

@@ -223,3 +223,34 @@ def test_model_the_pool_cannot_hold_falls_back_with_reason(start):
         assert r["choices"][0]["text"]
         stats = server.stats()
     assert "--kv-bits" in stats["fallback"] and stats["pages_total"] == 0
+
+
+def test_a_hybrid_model_answers_like_stock_and_resumes_from_snapshots(start):
+    """qwen3_5 (gated delta net and full attention layers): a chat's turns and another
+    question on its system prompt, through both servers."""
+
+    def chat(server: Server) -> list[tuple[str, int]]:
+        out, messages = [], [{"role": "system", "content": SYSTEM}]
+        for question in ("Where is Paris?", "And Rome?", "Thanks"):
+            messages.append({"role": "user", "content": question})
+            r = server.post("/v1/chat/completions", {"messages": messages, **GREEDY})
+            answer = r["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": answer})
+            out.append((answer, r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+        r = server.post("/v1/chat/completions", {"messages": other, **GREEDY})
+        out.append((r["choices"][0]["message"]["content"], 0))
+        return out
+
+    with start(mlx_lm_server(), model="qwen3_5") as stock:
+        expected = chat(stock)
+    with start(mlx_lm_server("--plugin", "radix"), model="qwen3_5") as radix:
+        got = chat(radix)
+        stats = radix.stats()
+        metrics = parse_metrics(radix.get("/metrics")[1])
+    assert [text for text, _ in got] == [text for text, _ in expected]
+    # Turns 2 and 3 resume past the turn before them (page size 4 in these tests).
+    assert got[1][1] >= 20 and got[2][1] > got[1][1]
+    assert stats["fallback"] is None and stats["snapshots"] > 0 and stats["snapshot_hits"] >= 3
+    assert stats["pages_locked"] == 0 and stats["snapshot_bytes"] <= stats["snapshot_bytes_max"]
+    assert metrics["mlx_radix_snapshot_hits_total"] == stats["snapshot_hits"]

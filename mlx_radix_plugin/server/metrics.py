@@ -50,6 +50,27 @@ METRICS = {
         "gauge",
         "Requests holding pool pages.",
     ),
+    "snapshots": (
+        "mlx_radix_snapshots",
+        "gauge",
+        "Recurrent-state snapshots held (hybrid models).",
+    ),
+    "snapshot_bytes": ("mlx_radix_snapshot_bytes", "gauge", "Bytes of the snapshots held."),
+    "snapshot_bytes_max": (
+        "mlx_radix_snapshot_bytes_max",
+        "gauge",
+        "Bytes the snapshots may take (their own budget).",
+    ),
+    "snapshot_hits": (
+        "mlx_radix_snapshot_hits_total",
+        "counter",
+        "Requests that resumed from a snapshot.",
+    ),
+    "snapshot_evictions": (
+        "mlx_radix_snapshot_evictions_total",
+        "counter",
+        "Snapshots dropped to make room for others.",
+    ),
     "decode_rows": ("mlx_radix_decode_rows", "gauge", "Requests in the decode batch."),
     "decode_groups": (
         "mlx_radix_decode_groups",

@@ -231,6 +231,14 @@ def live_violations(stats: dict) -> list[str]:
         bad.append(f"more tokens cached than looked up: {stats}")
     if stats["requests"].get("error"):
         bad.append(f"{stats['requests']['error']} requests ended in an error")
+    if stats["snapshot_bytes"] > stats["snapshot_bytes_max"]:
+        bad.append(
+            f"snapshots of {stats['snapshot_bytes']} bytes over their budget of "
+            f"{stats['snapshot_bytes_max']}"
+        )
+    if stats["snapshots"] > stats["pages_cached"]:
+        # A snapshot hangs on a cached node, which holds a page at least.
+        bad.append(f"{stats['snapshots']} snapshots on {stats['pages_cached']} cached pages")
     return bad
 
 
