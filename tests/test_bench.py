@@ -15,7 +15,7 @@ from mlx_lm import load
 from mlx_radix_plugin.cli import cli
 from mlx_radix_plugin.models.random_model import SHAPES, TINY, build, words
 from mlx_radix_plugin.tools.bench.report import RATIO_KEYS
-from mlx_radix_plugin.tools.bench.workloads import PRESETS, WORKLOADS
+from mlx_radix_plugin.tools.bench.workloads import PRESETS, WORKLOADS, single_token_words
 
 # layers x (K, V) x KV heads x head dim x float32 bytes
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * (64 // 4) * 4
@@ -43,6 +43,18 @@ def test_random_model_tokenizer_is_one_word_per_token(tmp_path):
     assert tok.decode([10, 11]) == "t10 t11"
     assert tok.eos_token_ids == {0}
     assert len(model.layers) == 2
+
+
+def test_a_hybrid_random_model_takes_one_token_a_word_through_its_own_tokenizer(tmp_path):
+    """Qwen3.5's tokenizer class in transformers splits text its own byte-level way: the
+    random model's words stay one token each after a space, for the server and the bench."""
+    small = dict(head_dim=16, linear_key_head_dim=32, linear_value_head_dim=16)
+    path = build("qwen3.5-0.8b", tmp_path / "m", **{**TINY, **small, "vocab_size": 8192})
+    _, tok = load(str(path))
+    found = single_token_words(path)
+    text = " " + " ".join(found[1000:1040])
+    assert len(tok.encode(text)) == 40 and tok.decode(tok.encode(text)) == text
+    assert tok.eos_token_ids == {0}
 
 
 def test_unknown_shape_is_named(tmp_path):

@@ -223,6 +223,12 @@ class RadixBatchGenerator(BatchGenerator):
         ends = list(itertools.accumulate((len(s) for s in segments), initial=start))[1:-1]
         wanted = {e // ps * ps for e in ends} | set(range(every, total - 1, every) if every else ())
         wanted |= {w for w in track.wanted}
+        if len(segments) > 2:
+            # The server's segment ends move to their page boundaries rather than add to
+            # them: each end is one more forward call, and one of a hybrid's costs a decode
+            # step at least (217 ms for Qwen3.5-0.8B's shape on 2 CPU cores). mlx-lm's last
+            # segment, the prompt's last token alone, stays.
+            segments[:-1] = [[t for s in segments[:-1] for t in s]]
         track.cut = partial(cut_segments, segments, total)
         track.wanted = set()
         for position in sorted(w for w in wanted if start < w < total):
