@@ -16,7 +16,7 @@ from functools import partial, wraps
 from typing import Any
 
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..memory.allocator import OutOfPages
 from ..memory.pool import KVPool, page_slots
@@ -24,7 +24,7 @@ from ..memory.radix_tree import MatchResult, RadixTree, TreeNode
 from ..memory.snapshots import SnapshotStore
 from .page_table import PageTable
 from .pool_backed import PoolBackedCache
-from .recurrent import RecurrentTrack, Snapshot, fresh_caches
+from .recurrent import RecurrentTrack, Snapshot
 
 
 def _locked(method):
@@ -171,9 +171,8 @@ class RadixPromptCache:
         for e, layer in enumerate(self.pool.layout):
             if layer is not None:
                 caches[e] = PoolBackedCache(table, layer, offset=n)
-        states = fresh_caches([self.pool.state_sizes[e] for e in self.recurrent])
-        for e, cache in zip(self.recurrent, states):
-            caches[e] = cache
+        for e in self.recurrent:
+            caches[e] = ArraysCache(self.pool.state_sizes[e])
         if snapshot is not None:
             snapshot.restore(caches, self.recurrent)
             track.resumed = snapshot

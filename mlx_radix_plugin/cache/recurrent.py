@@ -57,10 +57,6 @@ class Snapshot:
         return [a for arrays in self.arrays for a in arrays if a is not None]
 
 
-def fresh_caches(sizes: Sequence[int]) -> list[ArraysCache]:
-    return [ArraysCache(n) for n in sizes]
-
-
 @dataclass
 class RecurrentTrack:
     """What a request of a hybrid model snapshots, and what it took not yet in the tree."""

@@ -222,7 +222,7 @@ class RadixBatchGenerator(BatchGenerator):
         start = len(sequence[4])
         ends = list(itertools.accumulate((len(s) for s in segments), initial=start))[1:-1]
         wanted = {e // ps * ps for e in ends} | set(range(every, total - 1, every) if every else ())
-        wanted |= {w for w in track.wanted}
+        wanted |= track.wanted
         if len(segments) > 2:
             # The server's segment ends move to their page boundaries rather than add to
             # them: each end is one more forward call, and one of a hybrid's costs a decode
