@@ -55,6 +55,8 @@ class Setting:
             return "one of " + ", ".join(map(str, self.choices))
         if self.type is bool:
             return "true or false"
+        if self.type is str:
+            return "a string"
         kind = "an integer" if self.type is int else "a number"
         op = ">" if self.exclusive_minimum else ">="
         lo = "" if self.minimum is None else f"{op} {self.minimum}"
@@ -106,6 +108,29 @@ SETTINGS: tuple[Setting, ...] = (
         "hybrid models: MiB for recurrent-state snapshots, apart from the pages; 0: a quarter "
         "of the pool's memory",
         minimum=0,
+    ),
+    Setting(
+        "radix.disk.enabled",
+        False,
+        "keep cached prompts' K/V pages on disk too: they survive restarts and eviction",
+    ),
+    Setting(
+        "radix.disk.dir",
+        "",
+        "where the disk tier keeps its files; empty: disk/ in the mlx-radix cache dir",
+    ),
+    Setting(
+        "radix.disk.bytes",
+        0,
+        "the disk tier's budget in bytes; 0: a quarter of its file system's free space at "
+        "start, at most 64 GiB",
+        minimum=0,
+    ),
+    Setting(
+        "radix.disk.shutdown_seconds",
+        30.0,
+        "on SIGTERM or Ctrl-C, how long the server may take writing out what the pool holds",
+        minimum=0.0,
     ),
     Setting("decode.batched", True, "decode concurrent requests in one batch"),
     Setting("decode.max_batch_size", 32, "most requests decoded together", minimum=1, maximum=4096),
@@ -179,6 +204,17 @@ def _from_env_text(setting: Setting, text: str) -> Any:
         except ValueError:
             return text
     return text
+
+
+def cache_dir() -> Path:
+    """``$MLX_RADIX_CACHE_DIR``, else the platform's user cache dir for mlx-radix."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / APP_NAME
+    if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
+        return Path(os.environ["LOCALAPPDATA"]) / APP_NAME / "Cache"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / APP_NAME
 
 
 def default_config_path() -> Path:

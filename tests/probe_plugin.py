@@ -1,5 +1,7 @@
 """A plugin that implements every hook and records each call (run inside a test server)."""
 
+import json
+import os
 import sys
 
 from mlx_lm_hooks.hookspecs import hookimpl
@@ -42,6 +44,15 @@ class Probe:
             generated=record.generated_tokens,
             reason=record.finish_reason,
         )
+
+    @hookimpl
+    def mlx_lm_server_stopped(self):
+        # Nothing answers HTTP any more: the calls go to the file the test named.
+        self._record("mlx_lm_server_stopped")
+        path = os.environ.get("PROBE_CALLS_FILE")
+        if path:
+            with open(path, "w") as f:
+                json.dump(self.calls, f)
 
     @hookimpl
     def mlx_lm_register_routes(self, register):

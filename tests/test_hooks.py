@@ -4,6 +4,7 @@ import ast
 import http.client
 import inspect
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ SPECS = sorted(n for n, f in vars(hookspecs).items() if n.startswith("mlx_lm_") 
 
 
 def test_every_spec_is_prefixed_and_documented_in_one_line():
-    assert len(SPECS) == 8
+    assert len(SPECS) == 9
     for name in SPECS:
         doc = inspect.getdoc(getattr(hookspecs, name))
         assert doc and "\n" not in doc, name
@@ -90,7 +91,23 @@ def test_every_hook_is_called_by_a_real_server(probe_server):
     probe = Probe()
     pm.register(probe)
     build_cli(pm)
-    assert set(calls) | set(probe.calls) == set(SPECS)
+    # The last one runs when the server stops (test_sigterm_stops_the_server_...).
+    assert set(calls) | set(probe.calls) | {"mlx_lm_server_stopped"} == set(SPECS)
+
+
+def test_sigterm_stops_the_server_cleanly_and_tells_the_plugins(model_dirs, tmp_path):
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).parent / "probe_plugin.py")]
+    cmd += ["--model", str(model_dirs["llama"]), "--port", str(port)]
+    env = server_env(tmp_path, PROBE_CALLS_FILE=str(tmp_path / "calls.json"))
+    env["PYTHONPATH"] += ":" + str(Path(__file__).parent)
+    with Server(cmd, env, port, tmp_path / "log") as server:
+        server.post("/v1/completions", {"prompt": "Paris is", "max_tokens": 2})
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    assert calls["mlx_lm_server_stopped"] == [{}]
+    assert len(calls["mlx_lm_request_finished"]) == 1
 
 
 def test_plugin_routes_and_stock_routes_side_by_side(probe_server):

@@ -37,6 +37,11 @@ def mlx_lm_request_finished(record):
 
 
 @hookspec
+def mlx_lm_server_stopped():
+    """The server stopped (SIGINT, SIGTERM, Ctrl-C) and its generation thread has ended."""
+
+
+@hookspec
 def mlx_lm_register_routes(register):
     """Call register(method, path, handler) to serve extra HTTP routes (see routes.py)."""
 

@@ -23,7 +23,10 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -446,13 +449,40 @@ class HTTPServer(ThreadingHTTPServer):
 
 def _run_http_server(host, port, response_generator, server_class=None, handler_class=None):
     stock = _Installed.stock["_run_http_server"]
-    return stock(
-        host,
-        port,
-        response_generator,
-        server_class=server_class or HTTPServer,
-        handler_class=_handler_class(),
-    )
+    # Stock stops cleanly on Ctrl-C only (KeyboardInterrupt: the HTTP server shuts down, the
+    # generation thread is joined); SIGTERM, what service managers and `kill` send, ended
+    # the process where it stood. It takes the same way out here, and then the plugins
+    # are told, with no generation running (their state written out, say).
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        stock(
+            host,
+            port,
+            response_generator,
+            server_class=server_class or HTTPServer,
+            handler_class=_handler_class(),
+        )
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    try:
+        _hook().mlx_lm_server_stopped()
+    except Exception:
+        log.exception("a mlx_lm_server_stopped hook failed")
+    # Stock returns here only once stopped, and the process then ends in the interpreter's
+    # finalization, where MLX 0.32 on Linux aborts once a generation thread has run
+    # ("terminate called without an active exception", exit status 134 after a Ctrl-C of
+    # stock mlx_lm.server): a clean stop ends with status 0 instead, its output flushed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def serve(plugin_names: list[str], argv: list[str] | None = None, pm=None):

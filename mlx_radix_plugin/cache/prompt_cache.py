@@ -19,12 +19,14 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..memory.allocator import OutOfPages
+from ..memory.disk_tier import DISK_STATS
 from ..memory.pool import KVPool, page_slots
 from ..memory.radix_tree import MatchResult, RadixTree, TreeNode
 from ..memory.snapshots import SnapshotStore
 from .page_table import PageTable
 from .pool_backed import PoolBackedCache
 from .recurrent import RecurrentTrack, Snapshot
+from .tiering import Tiering
 
 
 def _locked(method):
@@ -69,6 +71,8 @@ class RadixPromptCache:
         self.share_inflight = False
         self._inflight: weakref.WeakSet[PageTable] = weakref.WeakSet()
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()  # every fetched table
+        # The disk tier under the pool (tiering.py), when the server turns it on.
+        self.tiering: Tiering | None = None
         pool.reclaim = self._evict
 
     # -- the LRUPromptCache interface ---------------------------------------------
@@ -96,6 +100,10 @@ class RadixPromptCache:
         """
         tokens = list(tokens)
         match = self.tree.match_prefix(model_key, tokens[:-1])
+        if self.tiering is not None and self.tiering.restore(
+            self.tree, model_key, tokens[:-1], match
+        ):
+            match = self.tree.match_prefix(model_key, tokens[:-1])
         if self.recurrent:
             return self._fetch_hybrid(model_key, tokens, match)
         self.tree.lock(match.node)
@@ -380,6 +388,8 @@ class RadixPromptCache:
         # back those of the tails it superseded (the same page, when one was completed).
         self.pool.allocator.incref(pages[-(-cached // self.pool.page_size) :])
         self.pool.allocator.decref(dropped)
+        if self.tiering is not None:
+            self.tiering.save(model_key, tokens[:n], pages, cached // self.pool.page_size)
         if table.recurrent is not None:
             self._attach_snapshots(model_key, tokens, table.recurrent, n)
 
@@ -427,6 +437,8 @@ class RadixPromptCache:
         # The new pages are the tree's references now; those of superseded tails come back.
         inserted = self.tree.insert(model_key, list(tokens[:n]), match.pages + pages)
         self.pool.allocator.decref(inserted.dropped)
+        if self.tiering is not None:
+            self.tiering.save(model_key, tokens[:n], match.pages + pages, lo // ps)
 
 
 # Every count ``RadixPromptCache.stats`` reports, and how it is read: the one list of these
@@ -464,4 +476,9 @@ POOL_STATS: dict[str, Callable[[RadixPromptCache], int]] = {
     "snapshot_bytes_max": lambda c: c.snapshots.budget_bytes,
     "snapshot_hits": lambda c: c.snapshots.hits,
     "snapshot_evictions": lambda c: c.snapshots.evictions,
+    # The disk tier (memory/disk_tier.py); 0 when it is off.
+    **{
+        key: (lambda c, key=key: c.tiering.disk.stats()[key] if c.tiering is not None else 0)
+        for key in DISK_STATS
+    },
 }

@@ -356,6 +356,9 @@ class RadixBatchGenerator(BatchGenerator):
         self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
         if self.radix.recurrent:
             self._take_snapshots()
+        if self.radix.tiering is not None:
+            # Pages committed two steps ago have been gathered by now: to the disk's writer.
+            self.radix.tiering.pump()
         for batch in (self._prompt_batch, self._generation_batch):
             rows = rows_of(batch.prompt_cache)
             if rows is not None:

@@ -381,5 +381,25 @@ class RadixTree:
                 stack.extend(n.children.values())
                 yield n
 
+    def sequences(self):
+        """``(namespace, tokens, pages)`` of every node's whole pages, from its root: the
+        tokens up to the node's end and the pages holding them (tails left out)."""
+        for key, ns in self._namespaces.items():
+            stack = [(child, ()) for child in ns.root.children.values()]
+            while stack:
+                node, before = stack.pop()
+                if self.is_tail(node):
+                    continue
+                tokens = before + node.tokens
+                yield key, tokens, self._pages_to(node)
+                stack.extend((child, tokens) for child in node.children.values())
+
+    def _pages_to(self, node: TreeNode) -> list[int]:
+        runs = []
+        while not node.is_root:
+            runs.append(node.pages)
+            node = node.parent
+        return [p for run in reversed(runs) for p in run]
+
     def all_pages(self) -> list[int]:
         return [p for n in self.nodes() for p in n.pages]

