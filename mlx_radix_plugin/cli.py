@@ -28,6 +28,10 @@ SERVE_OPTIONS = {
     "eviction": "radix.eviction",
     "max_batch_size": "decode.max_batch_size",
     "shared_prefix": "decode.shared_prefix",
+    "disk": "radix.disk.enabled",
+    "disk_dir": "radix.disk.dir",
+    "disk_bytes": "radix.disk.bytes",
+    "pin": "radix.pin",
 }
 
 
@@ -63,6 +67,10 @@ def cli():
     type=click.Choice(["auto", "on", "off"]),
     help="Read a prefix shared by decoding requests once (off: the exact path).",
 )
+@click.option("--disk/--no-disk", default=None, help="Keep cached pages on disk too.")
+@click.option("--disk-dir", help="Where the disk tier keeps its files.")
+@click.option("--disk-bytes", type=int, help="The disk tier's budget in bytes (0: auto).")
+@click.option("--pin", multiple=True, help="A prompt file to prefill and pin (repeatable).")
 @click.option("--plugin", "plugins", multiple=True, help="Activate another plugin too.")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve(config_file, plugins, server_args, **options):
@@ -77,6 +85,7 @@ def serve(config_file, plugins, server_args, **options):
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
+    options["pin"] = list(options["pin"]) or None
     overrides = {SERVE_OPTIONS[k]: v for k, v in options.items() if v is not None}
     _config_or_exit(cli=overrides, path=config_file)  # fail before anything starts
     plugin.configure(overrides, config_file)
@@ -140,6 +149,88 @@ def config_validate(path):
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     click.echo(f"{path}: ok ({len(values)} of {len(SETTINGS)} keys set)")
+
+
+@cli.group()
+def cache():
+    """The disk tier: what it holds, per model; drop it; fill it ahead of time."""
+
+
+def _disk_root(config_file) -> Path:
+    from .config import cache_dir
+
+    cfg = _config_or_exit(path=config_file)
+    return Path(cfg["radix.disk.dir"] or cache_dir() / "disk").expanduser()
+
+
+@cache.command("ls")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
+def cache_ls(config_file, as_json):
+    """Each model's pages on disk (one directory per model identity)."""
+    from .memory.disk_tier import list_tiers
+
+    root = _disk_root(config_file)
+    tiers = list_tiers(root)
+    if as_json:
+        click.echo(json.dumps(tiers, indent=2))
+        return
+    if not tiers:
+        click.echo(f"{root}: nothing cached on disk")
+        return
+    for t in tiers:
+        ident, record = t["record"].get("identity", {}), t["record"]
+        click.echo(
+            f"{t['id']}  {record.get('model')}  {t['pages']} pages  "
+            f"{t['bytes'] / 2**20:.1f} MiB  page_size={ident.get('page_size')}  "
+            f"{ident.get('kv_dtype')}"
+        )
+
+
+@cache.command("clear")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
+@click.option("--model", "model", help="Only this model's (its directory name, or an id).")
+def cache_clear(config_file, model):
+    """Delete what the disk tier holds (every model's, or one's)."""
+    from .memory.disk_tier import clear_tiers
+
+    removed = clear_tiers(_disk_root(config_file), model)
+    click.echo(f"removed {len(removed)} model(s): {' '.join(removed) or '-'}")
+
+
+@cache.command("warm")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--model", "model_path", help="Model directory or hub name (default model).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
+def cache_warm(files, model_path, config_file):
+    """Prefill prompt files (text, or chat JSON) into the disk tier ahead of time: a
+    server started on it then restores them instead of computing them."""
+    from mlx_lm import load
+
+    from .server.pins import PinError, read_pin_file
+    from .server.server_cache import ServerPromptCache
+
+    cfg = _config_or_exit(cli={"radix.disk.enabled": True}, path=config_file)
+    if model_path is None:
+        from .models.default_model import default_model_path
+
+        model_path = str(default_model_path())
+    model, tokenizer = load(model_path)
+    cache = ServerPromptCache(cfg)
+    cache.bind(model, (model_path, None, None), tokenizer=tokenizer)
+    if cache.radix is None or cache.radix.tiering is None:
+        click.echo(f"error: no disk tier for this model: {cache.fallback or 'see the log'}")
+        sys.exit(1)
+    for path in files:
+        try:
+            pinned = cache.pin(read_pin_file(tokenizer, path))
+        except PinError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        click.echo(f"{path}: {pinned} tokens")
+    disk = cache.radix.tiering.disk
+    cache.shutdown(seconds=600)
+    click.echo(f"{len(disk)} pages on disk ({disk.nbytes / 2**20:.1f} MiB) in {disk.dir}")
 
 
 @cli.command("plugins")
@@ -272,11 +363,47 @@ def _model_report(model_path, cfg, mem) -> dict:
 @click.option("--page-size", type=click.IntRange(min=1), default=4, help="Tokens per KV page.")
 @click.option("--check-every", type=click.FloatRange(min=1), default=10.0, help="Seconds.")
 @click.option("--seed", type=int, default=0, help="Seed of the clients' requests.")
-def soak(model_path, minutes, clients, pool_tokens, page_size, check_every, seed):
+@click.option(
+    "--restart-every",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Seconds: kill the server (SIGKILL) this often and start it again on the same disk "
+    "tier, which this turns on; answers must not change and pages must come back from disk.",
+)
+@click.option(
+    "--disk-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run on the disk tier in this directory [default with --restart-every: a temporary "
+    "one, removed after a pass].",
+)
+@click.option(
+    "--disk-bytes",
+    type=click.IntRange(min=0),
+    default=0,
+    help="The disk tier's budget [default 0: the server's own].",
+)
+def soak(
+    model_path,
+    minutes,
+    clients,
+    pool_tokens,
+    page_size,
+    check_every,
+    seed,
+    restart_every,
+    disk_dir,
+    disk_bytes,
+):
     """Concurrent clients against mlx_lm.server --plugin radix, invariants checked as it
     runs; one line of verdict, exit status 0 if everything held."""
     from .tools.soak import lines, soak_server
 
+    if restart_every is not None and restart_every >= minutes * 60:
+        raise click.BadParameter(
+            f"{restart_every:g} s is not shorter than the soak ({minutes * 60:g} s)",
+            param_hint="--restart-every",
+        )
     report = soak_server(
         model_path,
         minutes,
@@ -285,6 +412,9 @@ def soak(model_path, minutes, clients, pool_tokens, page_size, check_every, seed
         page_size=page_size,
         seed=seed,
         check_every=check_every,
+        restart_every=restart_every,
+        disk_dir=disk_dir,
+        disk_bytes=disk_bytes,
     )
     for line in lines(report):
         click.echo(line)

@@ -57,6 +57,8 @@ class Setting:
             return "true or false"
         if self.type is str:
             return "a string"
+        if self.type is list:
+            return "a list of file paths"
         kind = "an integer" if self.type is int else "a number"
         op = ">" if self.exclusive_minimum else ">="
         lo = "" if self.minimum is None else f"{op} {self.minimum}"
@@ -110,6 +112,12 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=0,
     ),
     Setting(
+        "radix.pin",
+        [],
+        "prompt files (text, or chat JSON: .json) prefilled when a model loads and never "
+        "evicted while pinned",
+    ),
+    Setting(
         "radix.disk.enabled",
         False,
         "keep cached prompts' K/V pages on disk too: they survive restarts and eviction",
@@ -124,6 +132,19 @@ SETTINGS: tuple[Setting, ...] = (
         0,
         "the disk tier's budget in bytes; 0: a quarter of its file system's free space at "
         "start, at most 64 GiB",
+        minimum=0,
+    ),
+    Setting(
+        "radix.disk.restore",
+        "auto",
+        "read pages back from disk: auto (where measured faster than computing them), always",
+        choices=("auto", "always"),
+    ),
+    Setting(
+        "radix.disk.preload_tokens",
+        0,
+        "at model load, read the most recently used prompts from disk into the pool, up to "
+        "this many tokens (and half the pool); 0: none, pages are read when asked for",
         minimum=0,
     ),
     Setting(
@@ -170,6 +191,10 @@ def _check(setting: Setting, value: Any, where: str) -> Any:
     elif t is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad()
+    elif t is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise bad()
+        value = list(value)
     elif t is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad()
@@ -198,6 +223,8 @@ def _from_env_text(setting: Setting, text: str) -> Any:
         if low in ("0", "false", "no", "off"):
             return False
         return text
+    if t is list:  # file paths, separated as in PATH
+        return [part for part in text.split(os.pathsep) if part]
     if t in (int, float):
         try:
             return t(text)

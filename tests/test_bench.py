@@ -170,3 +170,51 @@ def test_smoke_preset_runs_both_servers_and_reports_every_field(tmp_path):
         assert (tmp_path / "results" / "smoke-workloads.png").exists()
     else:
         assert "charts: skipped, matplotlib is not installed" in result.output
+
+
+@pytest.mark.slow
+def test_restart_workload_reads_the_prefix_back_from_disk_after_a_clean_stop(tmp_path):
+    model = build("smollm2-135m", tmp_path / "m", **TINY)
+    out = tmp_path / "restart.json"
+    argv = ["bench", "--preset", "smoke", "--model", str(model), "--ban-eos"]
+    # A tiny model computes a page about as fast as a file is read: ``auto`` may not read.
+    argv += ["--workload", "restart", "--disk-restore", "always", "--json", str(out)]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert set(report["workloads"]) == {"restart"}
+    assert report["machine"]["cpus"] >= 1  # no shared servers: read from a restarted one
+    sizes = next(w for w in PRESETS["smoke"].workloads if w.name == "restart")
+    w = report["workloads"]["restart"]
+    assert w["greedy_outputs_match"] is True and w["mismatched_requests"] == 0
+    assert len(w["by_round"]) == sizes.rounds
+    whole_pages = sizes.prefix_tokens // 16 * 16  # the prefix's pages, page size 16
+    for rd in w["by_round"]:
+        stock, radix = rd["stock"], rd["radix"]
+        # The plugin stopped cleanly and its new process found the prefix's pages on disk...
+        assert radix["exit_code"] == 0
+        assert radix["disk_pages_at_start"] >= sizes.prefix_tokens // 16
+        assert radix["disk_pages_at_start"] >= radix["disk_pages_written_before_stop"]
+        # ...read them back for the request after the restart, which found them cached.
+        assert radix["disk_hits"] >= 1
+        assert radix["disk_pages_read"] >= sizes.prefix_tokens // 16
+        assert radix["disk_tokens_read"] == radix["disk_pages_read"] * 16
+        assert whole_pages <= radix["cached_tokens_after"] <= radix["prompt_tokens_after"]
+        assert radix["restore_s_per_1k_tokens"] is not None
+        # Stock started with nothing cached of the prefix and computed it again.
+        assert stock["cached_tokens_after"] < 16 and stock["disk_hits"] is None
+        assert stock["ttft_s_per_1k_prompt_tokens"] is not None
+        assert stock["prompt_tokens_after"] == radix["prompt_tokens_after"]
+        for side in (stock, radix):
+            assert side["ttft_after_s"] is not None and side["ttft_before_s"] is not None
+        assert rd["ttft_after_restart_speedup"] is not None
+        assert rd["restore_speedup_per_1k_tokens"] is not None
+    assert w["cached_tokens_after_restart"]["radix"] >= whole_pages
+    assert w["radix"]["cached_tokens"] >= whole_pages * sizes.rounds
+    assert w["radix"]["stats_prompt_tokens_computed"] < sizes.prefix_tokens
+    a = report["acceptance"]
+    assert a["restart_ttft_after_speedup"] == w["ttft_after_restart_speedup"] is not None
+    assert a["restart_restore_speedup_per_1k_tokens"] == w["restore_speedup_per_1k_tokens"]
+    assert "TTFT after restart, s" in result.output
+    assert "s per 1,000 tokens: prefill / disk restore" in result.output
+    assert "greedy outputs identical: yes" in result.output

@@ -24,6 +24,7 @@ from mlx_radix_plugin.tools.bench.workloads import (
     DecodeShared,
     Memory,
     Reply,
+    Restart,
     Run,
 )
 
@@ -233,6 +234,85 @@ def test_memory_workload_reports_kv_bytes_held_over_one_copy_and_unshared():
     assert w["kv_bytes_per_token"] == 10.0
     assert w["decode_paths"] == []  # the server reported none
     assert acceptance({"memory": w})["memory_kv_held_over_one_copy"] == 2.778
+
+
+def restart_runs(stock_ttfts=(4.0, 6.0), radix_ttfts=(0.5, 1.0), radix_before=("b", "b")):
+    """Rounds of a 2,000-token prompt after a restart: stock recomputes it, the plugin reads
+    125 pages of 16 tokens back in 0.2 s, then 0.4 s."""
+    out = {"stock": [], "radix": []}
+    for i, (ts, tr) in enumerate(zip(stock_ttfts, radix_ttfts)):
+        stock = run("stock", "restart", ts + 0.2, [reply("a", prompt=2000, ttft=ts)])
+        stock.before = reply("b", prompt=2000, ttft=ts)
+        stock.restarted = {"exit_code": -15, "stop_s": 0.01, "start_s": 2.0}
+        radix = run("radix", "restart", tr + 0.2, [reply("a", prompt=2000, cached=2000, ttft=tr)])
+        radix.before = reply(radix_before[i], prompt=2000, ttft=ts)
+        radix.restarted = {
+            "exit_code": 0,
+            "stop_s": 0.3,
+            "start_s": 2.5,
+            "disk_pages_written_before_stop": 120,
+            "disk_pages_at_start": 125 * (i + 1),
+            "disk_hits": 1,
+            "disk_pages_read": 125,
+            "disk_restore_seconds": 0.2 * (i + 1),
+            "page_size": 16,
+        }
+        for r in (stock, radix):
+            r.replies = {Restart.AFTER: r.replies[0]}
+        out["stock"].append(stock)
+        out["radix"].append(radix)
+    return out
+
+
+def test_restart_reports_ttft_after_restart_and_restore_against_recompute():
+    w = compare(Restart(2000, 16, 8, rounds=2), restart_runs())
+    rounds = w["by_round"]
+    assert [r["ttft_after_restart_speedup"] for r in rounds] == [8.0, 6.0]
+    assert w["ttft_after_restart_speedup"] == 7.0
+    assert w["ttft_after_restart_s"] == {"stock": 5.0, "radix": 0.75}
+    # Stock's prefill: 4 s and 6 s over 2,000 tokens; the restore: 0.2 s and 0.4 s over
+    # 125 x 16 = 2,000 tokens read back.
+    assert [r["stock"]["ttft_s_per_1k_prompt_tokens"] for r in rounds] == [2.0, 3.0]
+    assert [r["radix"]["restore_s_per_1k_tokens"] for r in rounds] == [0.1, 0.2]
+    assert [r["radix"]["disk_tokens_read"] for r in rounds] == [2000, 2000]
+    assert [r["restore_speedup_per_1k_tokens"] for r in rounds] == [20.0, 15.0]
+    assert (w["recompute_s_per_1k_tokens"], w["restore_s_per_1k_tokens"]) == (2.5, 0.15)
+    assert w["restore_speedup_per_1k_tokens"] == 17.5
+    assert w["cached_tokens_after_restart"] == {"stock": 0, "radix": 2000}
+    assert w["disk_hits_after_restart"] == [1, 1]
+    assert w["exit_codes"] == {"stock": [-15, -15], "radix": [0, 0]}
+    stock = rounds[0]["stock"]
+    assert stock["restore_s_per_1k_tokens"] is None and stock["disk_hits"] is None
+    assert stock["ttft_before_s"] == 4.0 and rounds[1]["radix"]["disk_pages_at_start"] == 250
+    assert w["greedy_outputs_match"] is True and "tokens_per_s_ratio_median" not in w
+    a = acceptance({"restart": w})
+    assert a["restart_ttft_after_speedup"] == 7.0 and a["restart_prefix_tokens"] == 2000
+    assert a["restart_restore_speedup_per_1k_tokens"] == 17.5
+    assert a["restart_cached_tokens_after"] == {"stock": 0, "radix": 2000}
+    # The request before the restart is compared too.
+    w = compare(Restart(2000, 16, 8, rounds=2), restart_runs(radix_before=("b", "c")))
+    assert w["greedy_outputs_match"] is False and w["mismatched_requests"] == 1
+
+
+def test_table_notes_the_restart_rows():
+    runs = restart_runs()
+    text = table(full_report(restart=compare(Restart(2000, 16, 8, rounds=2), runs)))
+    lines = text.splitlines()
+    assert next(line for line in lines if line.startswith("restart")).split()[:2] == [
+        "restart",
+        "stock",
+    ]
+    assert "restart, a new 2000-token prefix, the server stopped (SIGTERM)" in text
+    assert "(TTFT after restart, stock/radix by round: 8.00x 6.00x)" in text
+
+    def row(title):
+        line = next(line for line in lines if line.strip().startswith(title))
+        return line.strip()[len(title) :].split()
+
+    assert row("TTFT after restart, s") == ["5.000", "0.750", "7.00x"]
+    assert row("s per 1,000 tokens: prefill / disk restore") == ["2.5000", "0.1500", "17.50x"]
+    assert row("cached tokens after restart") == ["0", "2000"]
+    assert row("exit status on SIGTERM") == ["-15", "-15", "0", "0"]
 
 
 def full_report(**workloads):

@@ -23,6 +23,7 @@ from mlx_radix_plugin.tools.bench.workloads import (
     PrefixRepetition,
     PromptError,
     Prompts,
+    Restart,
     Sampling,
     SharedPrefix,
     eos_logit_bias,
@@ -175,6 +176,40 @@ def test_decode_shared_warms_up_the_prefix_its_requests_share():
     assert Decode(4, 6, 50, rounds=3).one_copy_tokens is None
 
 
+def test_restart_sends_one_prefix_before_and_after_with_another_question():
+    w = Restart(12, 3, 5, rounds=2)
+    p, s = Prompts("s", WORDS), Sampling({"0": -100.0})
+    path, before = w.before(p, s)
+    warmup, sent = plan(w)
+    assert warmup == [] and set(sent) == {"after"}
+    assert path == sent["after"][0] == "/v1/completions"
+    after = sent["after"][1]
+    assert len(words_of(before)) == len(words_of(after)) == 15
+    assert words_of(before)[:12] == words_of(after)[:12]  # one prefix...
+    assert words_of(before)[12:] != words_of(after)[12:]  # ...another question
+    assert before["max_tokens"] == after["max_tokens"] == 5
+    # The same requests whichever is drawn first; another seed, others.
+    p2 = Prompts("s", WORDS)
+    clients = w.build(p2, s)
+    assert w.before(p2, s)[1] == before
+    got = {}
+
+    def send(key, path, body):
+        got[key] = body
+        return ""
+
+    clients[0](send)
+    assert got == {"after": after}
+    assert w.before(Prompts("other", WORDS), s)[1] != before
+    assert (w.repeats, w.total_requests, w.restarts) == (2, 2, True)
+    assert not Burst(1, 1, 1, 1).restarts
+    # Every preset restarts on a prefix of its own size, the default (small) on ~2,000 tokens.
+    sizes = {k: next(w for w in p.workloads if w.restarts) for k, p in PRESETS.items()}
+    assert sizes["smoke"].prefix_tokens < sizes["small"].prefix_tokens
+    assert sizes["small"].prefix_tokens < sizes["medium"].prefix_tokens
+    assert 1900 <= sizes["small"].prefix_tokens <= 2100
+
+
 class FakeServer:
     """Streams each prompt's first word; /v1/cache/stats counters move by 10 per request.
     With ``hold_s``, each request takes that long, and while it runs holds 2 pool pages
@@ -282,6 +317,90 @@ def test_decode_shared_warm_up_is_sent_first_and_left_out_of_the_results():
     # 4000 bytes of batch buffers.
     assert r.kv_bytes_held_peak == 8 * 400 + 4000
     assert r.decode_paths == ["exact"]
+
+
+class DiskFakeServer(FakeServer):
+    """A plugin's server with its disk tier on: a process's counters start at 0; each of its
+    requests reads 3 pages back in 0.01 s; 7 pages written, 5 found on disk at start."""
+
+    def stats(self):
+        stats = super().stats()
+        k = self.requests
+        stats.update(
+            disk_hits=k,
+            disk_pages_read=3 * k,
+            disk_restore_seconds=0.01 * k,
+            disk_pages=5,
+            disk_pages_written=7,
+        )
+        return stats
+
+
+def run_restart(old, new, server_name="radix"):
+    """Restart(6, 2, 3) from ``old`` to ``new``; the run, the servers the restart was asked
+    for, and the ticks."""
+    asked, ticks = [], []
+
+    def restart(server):
+        asked.append(server)
+        return new, {"exit_code": 0, "stop_s": 0.5, "start_s": 2.0}
+
+    try:
+        r = run_workload(
+            old,
+            server_name,
+            Restart(6, 2, 3),
+            Prompts("s", WORDS),
+            Sampling(),
+            lambda: ticks.append(1),
+            restart=restart,
+        )
+    finally:
+        old.close()
+        new.close()
+    return r, asked, ticks
+
+
+def test_restart_sends_its_first_request_then_measures_on_the_restarted_server():
+    old, new = DiskFakeServer(), DiskFakeServer()
+    r, asked, ticks = run_restart(old, new)
+    p, s = Prompts("s", WORDS), Sampling()
+    before = Restart(6, 2, 3).before(p, s)[1]["prompt"]
+    after = collect(Restart(6, 2, 3))["after"][1]["prompt"]
+    assert asked == [old] and len(ticks) == 2
+    assert [b["prompt"] for b in old.sent] == [before]
+    assert [b["prompt"] for b in new.sent] == [after]
+    assert set(r.replies) == {"after"} and r.replies["after"].text == after.split()[0]
+    assert r.before.text == before.split()[0] and r.before.ttft_s >= 0
+    # The restart as the restarter told it, the old process's pages written through, and
+    # the new one's disk reads over the measured request (its counters started at 0).
+    assert r.restarted == {
+        "exit_code": 0,
+        "stop_s": 0.5,
+        "start_s": 2.0,
+        "disk_pages_written_before_stop": 7,
+        "page_size": 4,
+        "disk_pages_at_start": 5,
+        "disk_hits": 1,
+        "disk_pages_read": 3,
+        "disk_restore_seconds": 0.01,
+    }
+    # The measured window's stats deltas are the new server's: one request.
+    assert (r.stats_prompt_tokens, r.stats_cached_tokens) == (10, 4)
+
+
+def test_restart_of_stock_has_no_disk_counters_and_needs_a_restarter():
+    r, asked, _ = run_restart(FakeServer(plugin=False), FakeServer(plugin=False), "stock")
+    assert len(asked) == 1 and set(r.replies) == {"after"}
+    assert r.restarted == {"exit_code": 0, "stop_s": 0.5, "start_s": 2.0}
+    assert r.stats_prompt_tokens is None
+    server = FakeServer()
+    try:
+        with pytest.raises(ValueError, match="restart restarts its server"):
+            run_workload(server, "radix", Restart(6, 2, 3), Prompts("s", WORDS), Sampling())
+    finally:
+        server.close()
+    assert server.sent == []
 
 
 def test_pool_poller_adds_locked_pages_and_batch_buffers_sampled_together():

@@ -75,6 +75,9 @@ def test_env_names_and_bool_parsing():
         ("[radix]\neviction = 'fifo'\n", r"eviction = 'fifo'.*expected one of lru, lfu"),
         ("[decode]\nbatched = 1\n", r"decode.batched = 1.*expected true or false"),
         ("[radix\n", "is not valid TOML"),
+        ("[radix]\npin = 'a.txt'\n", r"radix.pin = 'a.txt'.*expected a list of file paths"),
+        ("[radix.disk]\nbytes = -1\n", r"radix.disk.bytes = -1.*expected an integer >= 0"),
+        ("[radix.disk]\ndir = 3\n", r"radix.disk.dir = 3.*expected a string"),
         (
             "[radix]\npage_size = 32\npool_tokens = 16\n",
             r"radix.pool_tokens = 16 \(file .*\) is less than one page of radix.page_size = 32 "
@@ -95,6 +98,18 @@ def test_bad_environment_and_cli_values():
         load_config(environ={"MLX_RADIX_PAGESIZE": "4"})
     with pytest.raises(ConfigError, match="max_batch_size = -1 in the command line"):
         load_config(cli={"decode.max_batch_size": -1}, environ=NO_ENV)
+
+
+def test_lists_and_nested_tables(toml):
+    cfg = load_config(environ={"MLX_RADIX_PIN": "a.txt:b.json", "MLX_RADIX_DISK_ENABLED": "1"})
+    assert cfg["radix.pin"] == ["a.txt", "b.json"] and cfg["radix.disk.enabled"] is True
+    path = toml("[radix]\npin = ['s.txt']\n[radix.disk]\ndir = '/d'\nbytes = 1024\n")
+    cfg = load_config(environ=NO_ENV, path=path)
+    assert (cfg["radix.pin"], cfg["radix.disk.dir"], cfg["radix.disk.bytes"]) == (
+        ["s.txt"],
+        "/d",
+        1024,
+    )
 
 
 def test_missing_and_unreadable_files(tmp_path):

@@ -42,7 +42,7 @@ def test_model_load_binds_a_pool_and_can_turn_batching_off(plugin, loaded):
     p = plugin(**{"radix.pool_tokens": 256, "decode.batched": False})
     cache = p.mlx_lm_prompt_cache(args())
     provider = SimpleNamespace(is_batchable=True)
-    p.mlx_lm_model_loaded(model, ("m", None, None), None, args(), provider)
+    p.mlx_lm_model_loaded(model, None, ("m", None, None), None, args(), provider)
     assert provider.is_batchable is False
     stats = p.stats()
     assert stats["fallback"] is None and stats["pages_max"] == 256 // 16
@@ -54,11 +54,11 @@ def test_draft_model_and_kv_bits_fall_back_with_reasons(plugin, loaded):
     p = plugin(**{"radix.pool_tokens": 256})
     p.mlx_lm_prompt_cache(args())
     provider = SimpleNamespace(is_batchable=False)
-    p.mlx_lm_model_loaded(model, ("m", None, "d"), model, args(), provider)
+    p.mlx_lm_model_loaded(model, None, ("m", None, "d"), model, args(), provider)
     assert "draft model" in p.stats()["fallback"]
-    p.mlx_lm_model_loaded(model, ("m", None, None), None, args(kv_bits=4), provider)
+    p.mlx_lm_model_loaded(model, None, ("m", None, None), None, args(kv_bits=4), provider)
     assert "--kv-bits" in p.stats()["fallback"]
-    p.mlx_lm_model_loaded(model, ("m", None, None), None, args(), provider)
+    p.mlx_lm_model_loaded(model, None, ("m", None, None), None, args(), provider)
     assert p.stats()["fallback"] is None
 
 
@@ -83,7 +83,7 @@ def test_batch_generator_is_the_engine_when_the_pool_is_on(plugin, loaded):
     model, _ = loaded("llama")
     p = plugin(**{"radix.pool_tokens": 256, "decode.max_batch_size": 4})
     p.mlx_lm_prompt_cache(args())
-    p.mlx_lm_model_loaded(model, ("m", None, None), None, args(), SimpleNamespace())
+    p.mlx_lm_model_loaded(model, None, ("m", None, None), None, args(), SimpleNamespace())
     engine = p.mlx_lm_batch_generator(model, {"completion_batch_size": 32})
     assert isinstance(engine, RadixBatchGenerator) and engine.completion_batch_size == 4
     assert p.cache.radix.share_inflight

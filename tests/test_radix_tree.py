@@ -610,6 +610,17 @@ class RadixTreeMachine(RuleBasedStateMachine):
             self.held.append((r.node, tuple(r.pages)))
         self._remember(tokens)
 
+    @rule(data=st.data(), ns=st.sampled_from(NAMESPACES))
+    def cached_pages(self, data: st.DataObject, ns: Hashable) -> None:
+        # The disk tier's lookup: all of a sequence's whole pages or nothing, changing nothing.
+        tokens = self._draw_tokens(data, aligned=False)
+        before = self._tree_content(ns)
+        expected = self._ref_match(ns, tokens)
+        whole = len(tokens) // self.PAGE_SIZE
+        got = self.tree.cached_pages(ns, tokens)
+        assert got == (expected if len(expected) == whole else None)
+        assert self._tree_content(ns) == before
+
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def unlock(self, data: st.DataObject) -> None:

@@ -14,7 +14,9 @@ import json
 import os
 import re
 import socket
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -587,6 +589,62 @@ def test_idle_checks_catch_a_held_page_and_bad_counts():
     assert len(soak.live_violations(broken)) == 2
 
 
+def test_disk_checks():
+    stats = {"disk_enabled": 1, "disk_bytes": 10, "disk_bytes_max": 10, "disk_corrupt": 0}
+    assert soak.disk_violations(stats, required=True) == []
+    assert soak.disk_violations({**stats, "disk_bytes": 11, "disk_corrupt": 2}) == [
+        "11 bytes on disk over the budget of 10",
+        "2 files on disk failed their check",
+    ]
+    assert soak.disk_violations({"disk_enabled": 0}) == []  # off, and not asked for
+    assert "the disk tier is off" in soak.disk_violations({"disk_enabled": 0}, True)[0]
+
+
+@pytest.mark.parametrize(
+    "body, cut",
+    [
+        (b'data: {"choices": [{"text": "a"}]}\n\n', True),  # no data: [DONE]
+        (b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choi', True),  # a line cut short
+        (b'data: {"error": "the batch failed"}\n\n', False),  # the server's own error
+    ],
+)
+def test_a_stream_cut_short_is_told_from_a_failed_one(body, cut):
+    """What a server killed mid-stream leaves is a cut (lost at a restart), not an answer."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + body)
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    with HTTPServer(("127.0.0.1", 0), Handler) as server:
+        thread = threading.Thread(target=server.handle_request)
+        thread.start()
+        spec = soak.Spec(False, "system", "user", 8, stream=True, disconnect=False)
+        out = soak.send(server.server_address[1], spec, timeout=10)
+        thread.join()
+    assert not out.ok and out.cut == cut, out
+
+
+def test_requests_a_restart_cut_are_lost_not_violations():
+    run = soak.Soak(port=1, seconds=0, n_clients=1)
+    spec = soak.Spec(False, "system", "user", 4, stream=False, disconnect=False)
+    refused = soak.Outcome(spec, False, error="ConnectionRefusedError", cut=True)
+    run._record(refused, epoch=0, down=True)  # sent while the server was down
+    run._epoch = 1
+    run._record(refused, epoch=0)  # in flight at the kill
+    assert run.report.lost == 2 and run.report.requests == 0 and not run.report.violations
+    run._record(refused, epoch=1)  # the server is up again
+    run._record(soak.Outcome(spec, False, error="HTTP 503"), epoch=0)  # an answer: an error
+    assert len(run.report.violations) == 2 and run.report.requests == 2
+    run._record(soak.Outcome(spec, True, "text"), epoch=0)  # the killed server took it
+    run._record(soak.Outcome(spec, True, "text"), epoch=1)
+    assert run._accepted == 1  # what the server now running must have finished
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
 def test_soak(model_dirs, hf_cache, arch):
@@ -604,3 +662,32 @@ def test_soak(model_dirs, hf_cache, arch):
     requests, streamed, disconnected = map(int, counts.groups())
     assert requests > 100 and 0 < disconnected < streamed < requests
     assert int(idle_checks.group(1)) >= float(minutes) * 3  # every 10 s, plus settling
+
+
+RESTARTS = re.compile(
+    r"(\d+) restarts \(SIGKILL, \d+ requests lost\), (\d+) disk hits after them "
+    r"\((\d+) of \d+ restarts hit\), (\d+) of (\d+) probes read back; "
+    r"disk: \d+ hits, (\d+) pages read, (\d+) written"
+)
+
+
+@pytest.mark.slow
+def test_soak_with_restarts(model_dirs, hf_cache, tmp_path):
+    """A minute of soak on the disk tier, the server killed (SIGKILL) every 20 s mid-traffic
+    and started again on the same disk: idle and answering as before after each restart,
+    with pages read back from disk, and no file on disk that fails its check."""
+    disk = tmp_path / "disk"
+    cmd = [str(BIN / "mlx-radix"), "soak", "--model", str(model_dirs["llama"])]
+    cmd += ["--minutes", "1", "--check-every", "10", "--restart-every", "20"]
+    cmd += ["--disk-dir", str(disk)]
+    result = run_to_exit(cmd, server_env(hf_cache), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    verdict = result.stdout.splitlines()[0]
+    found = RESTARTS.search(verdict)
+    assert verdict.startswith("soak PASS") and found, verdict
+    restarts, hits, restarts_hit, probes_hit, probes, read, written = map(int, found.groups())
+    assert restarts >= 2 and restarts_hit == restarts and hits > 0, verdict
+    assert probes == restarts * soak.PROBES and probes_hit == probes, verdict
+    assert read > 0 and written > 0, verdict
+    # The last server stopped cleanly: its pages are there, and no write was left half done.
+    assert list(disk.glob("*/*/*.safetensors")) and not list(disk.glob("*/*/*.tmp*"))

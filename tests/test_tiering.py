@@ -150,7 +150,128 @@ def test_write_through_gathers_only_pages_the_disk_lacks(llama, tmp_path):
     serve(rpc, model, tok, prompt)
     before = written(rpc)
     out, _ = serve(rpc, model, tok, prompt + [1, 2, 3])  # the same pages, and new ones
-    queued = {key for _, meta, _ in rpc.tiering._pending for key, *_ in meta}
+    queued = {key for *_, meta, _ in rpc.tiering._pending for key, *_ in meta}
     assert queued and not queued & set(rpc.tiering.hashes(KEY, prompt, 8))
     assert written(rpc) - before == len(queued) == (len(prompt) + 3 + len(out)) // PS - 8
+    stop(rpc)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_pages_round_trip_bit_for_bit(model_dirs, tmp_path, dtype):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, tok = load(str(model_dirs["llama"]))
+    model.set_dtype(getattr(mx, dtype))
+    prompt = list(range(10, 10 + 6 * PS))
+    first = with_disk(model, tmp_path)
+    cache, _ = first.fetch_nearest_cache(KEY, prompt)
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    first.insert_cache(KEY, prompt[:-1], cache)
+    del cache
+    pages = first.tree.match_prefix(KEY, prompt).pages
+    before = [first.pool.rows(layer, first.pool.slots_of(pages)) for layer in range(2)]
+    stop(first)
+    second = with_disk(model, tmp_path)
+    _, rest = second.fetch_nearest_cache(KEY, prompt)
+    assert len(rest) == len(prompt) - len(pages) * PS
+    pages = second.tree.match_prefix(KEY, prompt).pages
+    after = [second.pool.rows(layer, second.pool.slots_of(pages)) for layer in range(2)]
+    assert second.pool.dtype == getattr(mx, dtype)
+    for (k0, v0), (k1, v1) in zip(before, after):
+        assert mx.array_equal(k0, k1).item() and mx.array_equal(v0, v1).item()
+    stop(second)
+
+
+def test_auto_reads_back_only_what_is_faster_than_computing(llama, tmp_path):
+    from mlx_radix_plugin.cache.tiering import prefill_seconds_per_token
+
+    model, tok = llama
+    prompt = list(range(10, 10 + 8 * PS))
+    first = with_disk(model, tmp_path)
+    serve(first, model, tok, prompt)
+    stop(first)
+    rate = prefill_seconds_per_token(model)
+    assert 0 < rate < 1
+    # A machine that computes a page in a nanosecond, and one that takes a second a token.
+    for prefill_rate, reads in ((1e-9, False), (1.0, True)):
+        rpc = with_disk(model, tmp_path)
+        rpc.tiering.restore_mode, rpc.tiering.prefill_rate = "auto", prefill_rate
+        rpc.tiering.measure_reads()
+        assert rpc.tiering.read_rate is not None
+        assert rpc.tiering.worth_reading() is reads
+        out, cached = serve(rpc, model, tok, prompt + [1])
+        assert (cached > 0) is reads and out == generate(model, tok, prompt + [1])
+        assert rpc.stats()["disk_restores_skipped"] == (0 if reads else 1)
+        stop(rpc)
+
+
+def test_writes_a_full_queue_dropped_are_retried_when_idle(llama, tmp_path, monkeypatch):
+    from mlx_radix_plugin.memory import disk_tier
+
+    model, tok = llama
+    rpc = with_disk(model, tmp_path)
+    gate = __import__("threading").Event()
+    write = rpc.tiering.disk._write_page
+    monkeypatch.setattr(rpc.tiering.disk, "_write_page", lambda *a: gate.wait(10) and write(*a))
+    page_bytes = rpc.pool.bytes_per_page
+    monkeypatch.setattr(disk_tier, "QUEUE_BYTES", 2 * page_bytes)
+    prompt = list(range(10, 10 + 8 * PS))
+    serve(rpc, model, tok, prompt)
+    rpc.tiering.pump(everything=True)
+    assert rpc.stats()["disk_writes_dropped"] > 0
+    gate.set()
+    rpc.tiering.disk.flush(10)
+    monkeypatch.setattr(disk_tier, "QUEUE_BYTES", 1 << 30)
+    rpc.tiering.retry(rpc.tree)  # what the server does when idle
+    rpc.tiering.disk.flush(10)
+    keys = rpc.tiering.hashes(KEY, prompt, 8)
+    assert rpc.tiering.disk.stored(keys) == 8
+    stop(rpc)
+
+
+def test_preload_reads_the_most_recent_unsalted_prompts_up_to_a_limit(llama, tmp_path):
+    import time
+
+    model, tok = llama
+    older, newer = list(range(10, 10 + 8 * PS)), list(range(100, 100 + 8 * PS))
+    salted = (*KEY, ("cache_salt", "a"))
+    first = with_disk(model, tmp_path)
+    for key, prompt in ((KEY, older), (KEY, newer), (salted, list(range(300, 300 + 8 * PS)))):
+        serve(first, model, tok, prompt, key=key)
+        written(first)
+        time.sleep(0.05)  # distinct modification times: the LRU order
+    stop(first)
+    second = with_disk(model, tmp_path)
+    loaded = second.tiering.preload(second.tree, KEY, limit=10 * PS)
+    # The salted prompt is the newest but not this namespace's; then ``newer`` whole, and
+    # what the limit leaves of ``older``.
+    assert loaded == 10 * PS
+    assert second.tree.cached_pages(KEY, newer[: 8 * PS]) is not None
+    assert second.tree.cached_pages(salted, list(range(300, 300 + 4))) is None
+    out, cached = serve(second, model, tok, newer + [1])
+    assert cached == len(newer) and out == generate(model, tok, newer + [1])
+    assert second.stats()["disk_hits"] == 0  # served from the pool
+    stop(second)
+
+
+def test_a_restore_with_no_room_leaves_the_match_whole(llama, tmp_path):
+    # Found by the restart soak: an allocation for pages read back evicted the cached page
+    # the match continued into, then failed, and the fetch copied from the freed page.
+    model, tok = llama
+    x = list(range(10, 10 + 10 * PS))
+    first = with_disk(model, tmp_path, pool_tokens=64 * PS)
+    serve(first, model, tok, x + [5])
+    stop(first)
+    rpc = with_disk(model, tmp_path, pool_tokens=8 * PS)
+    serve(rpc, model, tok, x[:5])  # the tree: x's first page, then x[4] and its answer
+    stats = rpc.stats()
+    held = rpc.pool.alloc_pages(stats["pages_total"] - stats["pages_cached"])  # requests'
+    cache, rest = rpc.fetch_nearest_cache(KEY, x + [7])
+    assert len(rest) < len(x)  # the pool's page and the partial page, not what the disk has
+    out = generate(model, tok, rest, cache)
+    assert out == generate(model, tok, x + [7])
+    del cache
+    rpc.pool.release_pages(held)
+    assert idle(rpc.stats())
     stop(rpc)

@@ -13,6 +13,7 @@ class RouteRequest:
     path: str
     query: str
     body: bytes = b""
+    client: str = ""  # the client's address
 
 
 @dataclass

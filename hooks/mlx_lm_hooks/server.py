@@ -367,10 +367,11 @@ def _handler_class():
             if handler is None:
                 return False
             body = b""
-            if method == "POST":
+            if method in ("POST", "DELETE"):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             try:
-                response = handler(RouteRequest(method, url.path, url.query, body))
+                request = RouteRequest(method, url.path, url.query, body, self.client_address[0])
+                response = handler(request)
             except Exception:
                 log.exception("plugin route %s %s failed", method, url.path)
                 response = RouteResponse(500, {"error": "internal error in a plugin route"})
@@ -437,6 +438,10 @@ def _handler_class():
         def do_POST(self):
             if not self._plugin_route("POST"):
                 super().do_POST()
+
+        def do_DELETE(self):
+            if not self._plugin_route("DELETE"):
+                self._send_error(404, f"no route DELETE {urlsplit(self.path).path}")
 
     return APIHandler
 

@@ -73,6 +73,8 @@ class RadixPromptCache:
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()  # every fetched table
         # The disk tier under the pool (tiering.py), when the server turns it on.
         self.tiering: Tiering | None = None
+        # Pinned prefixes (server/pins.py): (model key, tokens) -> the node locked for them.
+        self.pins: dict[tuple[Hashable, tuple[int, ...]], TreeNode] = {}
         pool.reclaim = self._evict
 
     # -- the LRUPromptCache interface ---------------------------------------------
@@ -298,6 +300,42 @@ class RadixPromptCache:
             table.prompt_committed = True
             self._inflight.discard(table)
 
+    # -- pins ----------------------------------------------------------------------
+
+    @_locked
+    def pin(self, model_key: Hashable, tokens: Sequence[int]) -> int:
+        """Keep the cached whole pages of ``tokens`` from eviction until ``unpin``; returns
+        the tokens pinned (0: the tree does not hold them all)."""
+        n = len(tokens) // self.pool.page_size * self.pool.page_size
+        key = (model_key, tuple(tokens[:n]))
+        if n == 0 or key in self.pins:
+            return n if key in self.pins else 0
+        node = self.tree.node_ending_at(model_key, list(key[1]))
+        if node is None:
+            return 0
+        self.tree.lock(node)
+        self.pins[key] = node
+        return n
+
+    @_locked
+    def unpin(self, model_key: Hashable, tokens: Sequence[int]) -> bool:
+        n = len(tokens) // self.pool.page_size * self.pool.page_size
+        node = self.pins.pop((model_key, tuple(tokens[:n])), None)
+        if node is not None:
+            self.tree.unlock(node)
+        return node is not None
+
+    def pinned_pages(self, extra: tuple[Hashable, Sequence[int]] | None = None) -> int:
+        """Distinct pages the pins hold (pins share pages where their prompts do), with
+        ``extra`` (a model key and tokens) pinned too."""
+        ps = self.pool.page_size
+        pages: set = set()
+        for model_key, tokens in list(self.pins) + ([extra] if extra else []):
+            pages.update(
+                (model_key, tuple(tokens[: (i + 1) * ps])) for i in range(len(tokens) // ps)
+            )
+        return len(pages)
+
     # -- accounting ----------------------------------------------------------------
 
     @_locked
@@ -443,8 +481,8 @@ class RadixPromptCache:
 
 # Every count ``RadixPromptCache.stats`` reports, and how it is read: the one list of these
 # keys (``idle_stats`` shows them as 0; server/metrics.py exports them under these names).
-# Once no request runs, the last four show nobody holds a page: page_refs == pages_cached,
-# and the other three are 0.
+# Once no request runs, the last four show nobody holds a page but the pins: page_refs ==
+# pages_cached, pages_locked == pinned_pages, tree_locks == pins, requests_holding_pages == 0.
 POOL_STATS: dict[str, Callable[[RadixPromptCache], int]] = {
     "hits": lambda c: c.counters.hits,
     "misses": lambda c: c.counters.misses,
@@ -470,6 +508,9 @@ POOL_STATS: dict[str, Callable[[RadixPromptCache], int]] = {
     # Fetched and not yet given back (releases queued by dropped caches have run: every
     # locked method runs them first).
     "requests_holding_pages": lambda c: sum(not t.released for t in c._tables),
+    # Pinned prefixes (server/pins.py): each holds a tree lock on its pages while pinned.
+    "pins": lambda c: len(c.pins),
+    "pinned_pages": lambda c: c.pinned_pages(),
     # A hybrid model's recurrent-state snapshots (memory/snapshots.py); 0 for the others.
     "snapshots": lambda c: len(c.snapshots),
     "snapshot_bytes": lambda c: c.snapshots.nbytes,
@@ -481,4 +522,6 @@ POOL_STATS: dict[str, Callable[[RadixPromptCache], int]] = {
         key: (lambda c, key=key: c.tiering.disk.stats()[key] if c.tiering is not None else 0)
         for key in DISK_STATS
     },
+    # Fetches that computed pages the disk held: computing them was measured faster.
+    "disk_restores_skipped": lambda c: c.tiering.skipped if c.tiering is not None else 0,
 }

@@ -10,8 +10,14 @@ nothing waits for it. Every committed page is then on disk unless its write was 
 which also makes a kill -9 lose only the writes still queued; a clean shutdown writes what
 the tree holds and the disk lacks (``save_tree``).
 
-Reads run on the generation thread, in the fetch: the pages are read, checked, written into
-new pool pages and filed in the tree, and the request's match continues through them.
+Reads run on the generation thread, in the fetch: the pages are read (by several threads),
+checked, written into new pool pages and filed in the tree, and the request's match continues
+through them. Only where that is faster than computing them: on the H200, Llama-3-8B's shape
+in bfloat16, reading back took 0.23 s a 1,000 tokens and a prefill 0.03 s, so a restart on the
+disk tier made a 2,048-token prompt's first token 8x later, where on this CPU (SmolLM2 in
+float32) a prefill costs far more than a read. ``restore="auto"`` compares the two: the
+prefill's rate measured at load (``prefill_seconds_per_token``), the read's on the pages
+found on disk at load and on every restore since.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Hashable, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..memory.allocator import OutOfPages
 from ..memory.disk_tier import DiskTier, chain_seed, page_hashes
@@ -38,17 +45,61 @@ def disk_dtype_supported(dtype: mx.Dtype) -> bool:
     return dtype in TAGS
 
 
+# The prefill probe at load: prompts of 16, 32, ... tokens until one takes this long (or
+# PROBE_MOST_TOKENS): long enough for a GPU's rate at a real prompt, short on a CPU.
+PROBE_SECONDS = 0.25
+PROBE_MOST_TOKENS = 2048
+# Dropped writes remembered for a retry, at most (a burst far beyond the disk's pace).
+MISSED_MOST = 4096
+# Weight of the newest restore in the read rate's moving average.
+READ_RATE_WEIGHT = 0.3
+
+
+def prefill_seconds_per_token(model) -> float:
+    """Seconds a token of prefill takes ``model`` here, on prompts of growing length, each
+    timed on its second run (the first compiles its kernels: 10 s on a fresh CUDA process)."""
+    n = 16
+    while True:
+        for _ in range(2):
+            cache = make_prompt_cache(model)
+            began = time.perf_counter()
+            out = model(mx.zeros((1, n), dtype=mx.int32), cache=cache)
+            mx.eval(out[:, -1], [c.state for c in cache])
+            took = time.perf_counter() - began
+        if took >= PROBE_SECONDS or n >= PROBE_MOST_TOKENS:
+            return took / n
+        n *= 2
+
+
 class Tiering:
-    def __init__(self, pool: KVPool, disk: DiskTier, model_key: Hashable = None):
+    def __init__(
+        self,
+        pool: KVPool,
+        disk: DiskTier,
+        model_key: Hashable = None,
+        restore: str = "always",
+        prefill_rate: float | None = None,
+    ):
         """Pages of ``pool`` to and from ``disk``; ``model_key`` is the server's key for the
-        model, which a request's key extends (with its cache salt)."""
+        model, which a request's key extends (with its cache salt). ``restore``: ``always``,
+        or ``auto``: only while reading a page back is measured faster than computing it
+        (``prefill_rate``, seconds a token)."""
         self.pool = pool
         self.disk = disk
         self.model_key = model_key
         self.tag = TAGS[pool.dtype]
+        self.restore_mode = restore
+        self.prefill_rate = prefill_rate
+        self.read_rate: float | None = None  # seconds a page, restores' moving average
+        self.skipped = 0  # fetches that computed what the disk held, being faster
         self._seeds: dict[Hashable, bytes] = {}
-        self._pending: list[tuple[int, list, list]] = []  # (pump, pages' metadata, arrays)
+        # (pump, namespace, tokens, pages' metadata, their arrays): gathers not yet written
+        self._pending: list[tuple[int, Hashable, tuple[int, ...], list, list]] = []
+        self._pending_keys: set[str] = set()  # their pages' hashes
         self._pumps = 0
+        # Pages whose write the full queue dropped, as (namespace, tokens to their end):
+        # written from the tree, if it still holds them, when the server is idle (``retry``).
+        self._missed: dict[tuple[Hashable, tuple[int, ...]], None] = {}
 
     # -- hashes ----------------------------------------------------------------------
 
@@ -82,7 +133,11 @@ class Tiering:
         if n <= first:
             return
         keys = self.hashes(namespace, tokens, n)
-        todo = [i for i in range(first, n) if keys[i] not in self.disk]
+        todo = [
+            i
+            for i in range(first, n)
+            if keys[i] not in self._pending_keys and not self.disk.has(keys[i])
+        ]
         if not todo:
             return
         meta = [
@@ -95,9 +150,12 @@ class Tiering:
             for rows in self.pool.rows(layer, slots):
                 arrays.append(rows.view(mx.uint16) if self.tag == "BF16" else rows)
         mx.async_eval(arrays)
-        # On a GPU the next write into the pool must wait for these reads (pool.settle).
-        self.pool.reading()
-        self._pending.append((self._pumps, meta, arrays))
+        if mx.default_device() != mx.cpu:
+            # On a GPU the next write into the pool must wait for these reads (pool.settle);
+            # on the CPU a stream's ops run in order and the gather lets go of its input.
+            self.pool.reading()
+        self._pending.append((self._pumps, namespace, tuple(tokens[: n * ps]), meta, arrays))
+        self._pending_keys.update(m[0] for m in meta)
 
     def pump(self, everything: bool = False) -> None:
         """Hand the gathers that have run to the writer: those queued before the step that
@@ -110,7 +168,7 @@ class Tiering:
             (ready if everything or p[0] <= self._pumps - 2 else waiting).append(p)
         self._pending = waiting
         ps = self.pool.page_size
-        for _, meta, arrays in ready:
+        for _, namespace, prefix, meta, arrays in ready:
             mx.eval(arrays)  # a no-op unless ``everything``: they have run
             host = [np.asarray(a) for a in arrays]
             for j, (key, parent, depth, tokens) in enumerate(meta):
@@ -119,12 +177,27 @@ class Tiering:
                     k, v = host[2 * layer], host[2 * layer + 1]
                     tensors[f"k.{layer}"] = (self.tag, k[j * ps : (j + 1) * ps])
                     tensors[f"v.{layer}"] = (self.tag, v[j * ps : (j + 1) * ps])
-                self.disk.put(key, parent, depth, tokens, tensors)
+                if not self.disk.put(key, parent, depth, tokens, tensors) and self.disk.enabled:
+                    if len(self._missed) < MISSED_MOST:
+                        self._missed[(namespace, prefix[: (depth + 1) * ps])] = None
+                self._pending_keys.discard(key)
+
+    def retry(self, tree: RadixTree) -> None:
+        """Queue again the pages the full queue dropped that the tree still holds, as far
+        as the queue has room (on the generation thread, while idle)."""
+        while self._missed and self.disk.has_room():
+            (namespace, tokens), _ = self._missed.popitem()
+            pages = tree.cached_pages(namespace, tokens)
+            if pages is not None:
+                self.save(namespace, tokens, pages, 0)
+                self.pump(everything=True)
 
     def save_tree(self, tree: RadixTree, deadline: float) -> int:
         """Queue every whole page of ``tree`` the disk lacks, then write them all, until
         ``deadline`` (``time.monotonic()``); returns the pages queued."""
         before = self.disk.counters.pages_written
+        self.pump(everything=True)
+        self.disk.flush(max(0.0, deadline - time.monotonic()))
         for namespace, tokens, pages in tree.sequences():
             if time.monotonic() > deadline:
                 break
@@ -135,11 +208,54 @@ class Tiering:
 
     # -- reads -----------------------------------------------------------------------
 
+    def measure_reads(self, pages: int = 8) -> None:
+        """Time reading back up to ``pages`` pages the disk holds (the read rate's first
+        figure, before any restore)."""
+        keys = self.disk.sample(pages)
+        if keys:
+            began = time.perf_counter()
+            read = [self.disk.read(k, *self.disk.chain_of(k)) for k in keys]
+            arrays = [self._array([p[n][1]]) for p in read if p is not None for n in p]
+            mx.eval(arrays)
+            if len(arrays) == len(keys) * 2 * self.pool.num_layers:
+                self.read_rate = (time.perf_counter() - began) / len(keys)
+
+    def worth_reading(self) -> bool:
+        """Whether reading pages back is (measured) faster than computing them."""
+        if self.restore_mode == "always" or self.read_rate is None or self.prefill_rate is None:
+            return True
+        return self.read_rate < self.pool.page_size * self.prefill_rate
+
+    def preload(self, tree: RadixTree, namespace: Hashable, limit: int) -> int:
+        """Read the most recently used sequences of ``namespace`` (requests without a cache
+        salt) from disk into the pool and the tree, up to ``limit`` tokens; returns the
+        tokens read. Where reading is not worth it, nothing."""
+        ps, seed, loaded = self.pool.page_size, self.seed(namespace), 0
+        for key in self.disk.recent_leaves():
+            if loaded + ps > limit or not self.worth_reading():
+                break
+            tokens = self.disk.chain_tokens(key)
+            if not tokens:
+                continue
+            tokens = tokens[: (limit - loaded) // ps * ps]
+            keys = page_hashes(seed, tokens, len(tokens) // ps, ps)
+            if not keys or not self.disk.has(keys[0]):
+                continue  # another namespace's (a salt's) chain
+            match = tree.match_prefix(namespace, tokens)
+            loaded += self.restore(tree, namespace, tokens, match, hit=False) * ps
+        return loaded
+
     def restore(
-        self, tree: RadixTree, namespace: Hashable, tokens: Sequence[int], match: MatchResult
+        self,
+        tree: RadixTree,
+        namespace: Hashable,
+        tokens: Sequence[int],
+        match: MatchResult,
+        hit: bool = True,
     ) -> int:
         """Read the pages that continue ``match`` from disk into the pool and the tree;
-        returns how many. ``tokens`` are the ones that may be matched."""
+        returns how many. ``tokens`` are the ones that may be matched; ``hit``: a request's
+        (counted in ``disk_hits``), not a preload's."""
         if not self.disk.enabled:
             return 0
         ps = self.pool.page_size
@@ -150,22 +266,32 @@ class Tiering:
         n = self.disk.stored(keys[start:])
         if not n:
             return 0
+        if not self.worth_reading():
+            self.skipped += 1
+            return 0
         began = time.perf_counter()
-        read = []
-        for i in range(start, start + n):
-            page = self.disk.read(keys[i], keys[i - 1] if i else "", tokens[i * ps : (i + 1) * ps])
-            if page is None or not self._fits(page):
-                break
-            read.append(page)
+        chain = range(start, start + n)
+        read = self.disk.read_chain(
+            [keys[i] for i in chain],
+            [keys[i - 1] if i else "" for i in chain],
+            [tokens[i * ps : (i + 1) * ps] for i in chain],
+        )
+        fits = next((i for i, page in enumerate(read) if not self._fits(page)), len(read))
+        read = read[:fits]
         if not read:
             return 0
-        tree.lock(match.node)  # what the match found must not be evicted for the new pages
+        # What the match found (its node, and the page it continues into) must not be
+        # evicted for the new pages: the fetch goes on with it if they do not come.
+        held = [n for n in (match.node, match.partial_node) if n is not None]
+        for node in held:
+            tree.lock(node)
         try:
             pages = self.pool.alloc_pages(len(read))
         except OutOfPages:
             return 0
         finally:
-            tree.unlock(match.node)
+            for node in held:
+                tree.unlock(node)
         self.pool.settle()
         slots = self.pool.slots(page_slots(pages, ps))
         for layer in range(self.pool.num_layers):
@@ -175,10 +301,14 @@ class Tiering:
         upto = (start + len(read)) * ps
         inserted = tree.insert(namespace, list(tokens[:upto]), match.pages + pages)
         self.pool.allocator.decref(inserted.dropped)
+        took = time.perf_counter() - began
         c = self.disk.counters
-        c.hits += 1
+        c.hits += hit
         c.pages_read += len(read)
-        c.restore_seconds += time.perf_counter() - began
+        c.restore_seconds += took
+        rate = took / len(read)
+        w = READ_RATE_WEIGHT
+        self.read_rate = rate if self.read_rate is None else (1 - w) * self.read_rate + w * rate
         return len(read)
 
     def _fits(self, page: dict) -> bool:

@@ -212,6 +212,23 @@ class RadixTree:
             node = child
         return node
 
+    def cached_pages(self, namespace: Hashable, tokens: Sequence[int]) -> list[int] | None:
+        """The pages holding ``tokens`` (whole pages), or None if the tree lacks any; changes
+        nothing (no split, no access count)."""
+        ps = self.page_size
+        node, pos, pages = self._root(namespace), 0, []
+        while pos < len(tokens) // ps * ps:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None or self.is_tail(child):
+                return None
+            k = self._common_pages(child, tokens, pos)
+            pages.extend(child.pages[:k])
+            if k < len(child.pages):
+                return pages if pos + k * ps >= len(tokens) // ps * ps else None
+            pos += k * ps
+            node = child
+        return pages
+
     def is_tail(self, node: TreeNode) -> bool:
         return len(node.tokens) < self.page_size and not node.is_root
 

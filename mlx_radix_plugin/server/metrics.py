@@ -96,6 +96,11 @@ METRICS = {
     "disk_pages": ("mlx_radix_disk_pages", "gauge", "Pages the disk tier holds."),
     "disk_bytes": ("mlx_radix_disk_bytes", "gauge", "Bytes of the pages on disk."),
     "disk_bytes_max": ("mlx_radix_disk_bytes_max", "gauge", "The disk tier's budget in bytes."),
+    "disk_restores_skipped": (
+        "mlx_radix_disk_restores_skipped_total",
+        "counter",
+        "Prompts that computed pages the disk held, computing being measured faster.",
+    ),
     "disk_restore_seconds": (
         "mlx_radix_disk_restore_seconds_total",
         "counter",

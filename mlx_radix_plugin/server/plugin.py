@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import socket
 import sys
@@ -19,6 +20,7 @@ from ..config import Config, ConfigError, load_config
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
 from . import metrics, mlx_lm_internals
+from .pins import ROUTE_WAIT_SECONDS, prompt_tokens
 from .server_cache import ServerPromptCache, mlx_memory_stats
 
 log = logging.getLogger("mlx_radix")
@@ -42,6 +44,13 @@ def is_loopback(host: str) -> bool:
     # An IPv6 address may carry a scope ("fe80::1%eth0"), which ipaddress does not parse.
     addresses = {info[4][0].split("%")[0] for info in infos}
     return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+
+
+def is_loopback_address(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def blas_notice() -> None:
@@ -103,9 +112,11 @@ class RadixPlugin:
         return self.cache
 
     @hookimpl
-    def mlx_lm_model_loaded(self, model, model_key, draft_model, cli_args, model_provider):
+    def mlx_lm_model_loaded(
+        self, model, tokenizer, model_key, draft_model, cli_args, model_provider
+    ):
         if self.cache is not None:
-            self.cache.bind(model, model_key, draft_model, cli_args)
+            self.cache.bind(model, model_key, draft_model, cli_args, tokenizer)
         if not self.config["decode.batched"]:
             # Requests then take mlx-lm's one-at-a-time path (PoolBackedCache).
             model_provider.is_batchable = False
@@ -152,6 +163,8 @@ class RadixPlugin:
     def mlx_lm_register_routes(self, register):
         register("GET", "/v1/cache/stats", self.stats_route)
         register("GET", "/metrics", self.metrics_route)
+        register("POST", "/v1/cache/pin", self.pin_route)
+        register("DELETE", "/v1/cache/pin", self.pin_route)
 
     def stats(self) -> dict:
         if self.cache is not None:
@@ -173,6 +186,29 @@ class RadixPlugin:
 
     def stats_route(self, request: RouteRequest) -> RouteResponse:
         return RouteResponse(200, self.stats())
+
+    def pin_route(self, request: RouteRequest) -> RouteResponse:
+        """``POST`` pins a prompt (``{"prompt": text}`` or ``{"messages": [...]}``),
+        ``DELETE`` unpins it; from this machine only (they change what everyone's requests
+        may evict, and mlx_lm.server has no authentication)."""
+        if not is_loopback_address(request.client):
+            return RouteResponse(403, {"error": "pins are changed from this machine only"})
+        cache = self.cache
+        if cache is None or cache.tokenizer is None:
+            return RouteResponse(409, {"error": "no model with a radix pool is loaded yet"})
+        try:
+            body = json.loads(request.body or b"null")
+            tokens = prompt_tokens(cache.tokenizer, body, "the request body")
+        except ValueError as e:  # PinError and JSON errors alike
+            return RouteResponse(400, {"error": str(e)})
+        if request.method == "DELETE":
+            return RouteResponse(200, {"unpinned": cache.unpin(tokens)})
+        box = cache.pins.run_on_generation_thread(lambda: cache.pin(tokens), ROUTE_WAIT_SECONDS)
+        if "error" in box:
+            return RouteResponse(409, {"error": str(box["error"])})
+        if "result" not in box:
+            return RouteResponse(202, {"queued": True, "prompt_tokens": len(tokens)})
+        return RouteResponse(200, {"pinned_tokens": box["result"], "prompt_tokens": len(tokens)})
 
     def metrics_route(self, request: RouteRequest) -> RouteResponse:
         if not self.config["metrics.enabled"]:

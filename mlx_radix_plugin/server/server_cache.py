@@ -24,14 +24,18 @@ import mlx_lm
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..cache.prompt_cache import RadixPromptCache, idle_stats
-from ..cache.tiering import Tiering, disk_dtype_supported
+from ..cache.tiering import Tiering, disk_dtype_supported, prefill_seconds_per_token
 from ..config import Config, cache_dir
 from ..memory.budget import buffer_cache_limit, device_memory
 from ..memory.disk_tier import FORMAT, DiskTier, DiskTierOff
 from ..memory.fingerprint import weights_fingerprint
 from ..memory.pool import KVPool, UnsupportedModel, model_nbytes
+from .pins import PinError, Pins, prefill, read_pin_file
 
 log = logging.getLogger("mlx_radix")
+
+# Most of the pool's pages that pins may hold: the rest stays for requests.
+PIN_SHARE = 0.5
 
 NOT_LOADED = "no model loaded yet"
 
@@ -48,6 +52,9 @@ class ServerPromptCache:
         # Models loaded: each load starts an empty pool, and a client can ask for one by
         # naming another model (stock loads what is asked for), emptying everyone's cache.
         self.model_loads = 0
+        self.model = self.tokenizer = None
+        self.prefill_step = 2048
+        self.pins = Pins()  # pin requests for the generation thread
 
     def _fallback_reason(self, draft_model, cli_args) -> str | None:
         if getattr(cli_args, "kv_bits", None) is not None:
@@ -56,7 +63,9 @@ class ServerPromptCache:
             return "a draft model (speculative decoding) keeps a second cache"
         return None
 
-    def bind(self, model, model_key: Hashable, draft_model=None, cli_args=None) -> None:
+    def bind(
+        self, model, model_key: Hashable, draft_model=None, cli_args=None, tokenizer=None
+    ) -> None:
         """Serve ``model`` from now on: a fresh pool for it, or the stock cache."""
         self.model_loads += 1
         self.shutdown(self.config["radix.disk.shutdown_seconds"])  # the last model's tier
@@ -120,7 +129,45 @@ class ServerPromptCache:
             log.warning("radix cache off for %s, stock prompt cache instead: %s", model_key, reason)
             self.stock = LRUPromptCache(*self._stock_args)
         self._limit_buffer_cache(model)
+        self.model, self.tokenizer = model, tokenizer
+        self.prefill_step = getattr(cli_args, "prefill_step_size", None) or 2048
+        for path in self.config["radix.pin"] if self.radix is not None else ():
+            try:
+                pinned = self.pin(read_pin_file(tokenizer, path), model_key)
+            except PinError as e:
+                log.warning("radix.pin: %s; not pinned", e)
+            else:
+                log.info("radix.pin: %s pinned, %d tokens", path, pinned)
         self.model_key = model_key
+
+    def pin(self, tokens: Sequence[int], model_key: Hashable | None = None) -> int:
+        """Prefill ``tokens`` (what the pool lacks) and pin their whole pages, under
+        ``model_key`` (default: the model served); returns the tokens pinned. Raises
+        ``PinError`` when the pins would take more than ``PIN_SHARE`` of the pool. Runs on
+        the generation thread."""
+        model_key = self.model_key if model_key is None else model_key
+        radix = self.radix
+        if radix is None:
+            raise PinError(f"no radix pool to pin in: {self.fallback}")
+        pool = radix.pool
+        pages = radix.pinned_pages((model_key, tokens))
+        most = int(pool.max_pages * PIN_SHARE)
+        if pages > most:
+            raise PinError(
+                f"pinning these {len(tokens)} tokens would pin {pages} pages of "
+                f"{pool.page_size} tokens; pins may hold at most {most} of the pool's "
+                f"{pool.max_pages} pages (half): unpin others or give the pool more room "
+                "(radix.pool_tokens, radix.mem_fraction)"
+            )
+        prefill(radix, self.model, model_key, tokens, self.prefill_step)
+        pinned = radix.pin(model_key, tokens)
+        if not pinned and len(tokens) >= pool.page_size:
+            raise PinError("the prompt's pages could not be kept in the pool (no room)")
+        return pinned
+
+    def unpin(self, tokens: Sequence[int]) -> bool:
+        radix = self.radix
+        return radix is not None and radix.unpin(self.model_key, tokens)
 
     def _disk_tier(self, pool: KVPool, model, model_key: Hashable, cli_args) -> Tiering | None:
         """The disk tier under ``pool``, or None (and why, logged) when it cannot be used."""
@@ -154,14 +201,31 @@ class ServerPromptCache:
         except DiskTierOff as e:
             log.warning("disk tier off: %s; the server goes on without it", e)
             return None
+        restore = cfg["radix.disk.restore"]
+        rate = prefill_seconds_per_token(model) if restore == "auto" else None
+        tiering = Tiering(pool, disk, model_key, restore=restore, prefill_rate=rate)
+        tiering.measure_reads()
         log.info(
-            "disk tier: %s, %d pages (%.1f MiB) found, budget %.1f GiB",
+            "disk tier: %s, %d pages (%.1f MiB) found, budget %.1f GiB; a page read back in "
+            "%s, computed in %s",
             disk.dir,
             len(disk),
             disk.nbytes / 2**20,
             budget / 2**30,
+            "(not measured)" if tiering.read_rate is None else f"{tiering.read_rate * 1e3:.2f} ms",
+            "(not measured)" if rate is None else f"{rate * pool.page_size * 1e3:.2f} ms",
         )
-        return Tiering(pool, disk, model_key)
+        if not tiering.worth_reading():
+            log.warning(
+                "disk tier: computing a page is faster than reading it back here: pages are "
+                "kept on disk but not read (radix.disk.restore = always reads them)"
+            )
+        limit = min(cfg["radix.disk.preload_tokens"], pool.max_pages * pool.page_size // 2)
+        if limit:
+            with self.radix.pool.lock:
+                loaded = tiering.preload(self.radix.tree, model_key, limit)
+            log.info("disk tier: %d tokens read into the pool at load", loaded)
+        return tiering
 
     def shutdown(self, seconds: float) -> None:
         """Write what the pool holds and the disk tier lacks, for at most ``seconds``; call
@@ -211,6 +275,9 @@ class ServerPromptCache:
             radix.pool.trim()
             if radix.tiering is not None:
                 radix.tiering.pump(everything=True)
+                with radix.pool.lock:
+                    radix.tiering.retry(radix.tree)
+        self.pins.run_jobs()
 
     @property
     def active(self) -> Any:

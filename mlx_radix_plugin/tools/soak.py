@@ -11,6 +11,17 @@ must be too: no page locked or held by a finished request, every used page cache
 between, the server must answer ``/health`` and its counters must add up. Greedy decoding
 must give one answer per prompt, however the batches were made up. One line says whether
 everything held; the exit status is 0 if it did, 1 if not.
+
+    mlx-radix soak --model PATH --minutes 3 --restart-every 60
+
+With restarts, the server runs on the disk tier (a temporary directory, or ``--disk-dir``)
+and is killed (SIGKILL) every so many seconds, mid-traffic, then started again on the same
+disk. Requests in flight at the kill, and those sent while the server is down, are lost,
+not violations (the clients pause a moment and go on). Each new server must come up idle,
+answer every prompt as before (the workload's greedy answers and a few probe prompts asked
+before the first kill), and read pages back from disk: a soak in which no restart hit the
+disk fails. The disk tier must stay on, within its budget, and never find a corrupt file
+(a write is renamed into place only once complete).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -28,6 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import BY_KEY
 from .bench.servers import ServerProcess, event_text, free_port
 
 # Prompts are made of plain words: every tokenizer reads them, and shared prefixes stay
@@ -41,6 +54,9 @@ WORDS = (
 DISCONNECT_EVERY = 10  # one request in ten closes its connection after the first token
 CONTINUE_CHANCE = 0.15  # a client sends its previous prompt plus that prompt's completion
 MAX_CHAIN = 3  # continuations in a row before a client starts afresh
+CUT_PAUSE = 0.25  # seconds a client waits after a request the server did not answer
+PROBES = 4  # prompts asked before the first restart and again after each
+PROBE_TOKENS = 16
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -96,6 +112,8 @@ class Outcome:
     usage: dict | None = None
     disconnected: bool = False
     error: str | None = None
+    # No whole answer came: refused, reset or cut short, as when the server went away.
+    cut: bool = False
 
 
 def send(port: int, spec: Spec, logit_bias: dict | None = None, timeout: float = 600) -> Outcome:
@@ -116,18 +134,28 @@ def send(port: int, spec: Spec, logit_bias: dict | None = None, timeout: float =
             choice = data["choices"][0]
             text = choice["message"]["content"] if spec.chat else choice["text"]
             return Outcome(spec, True, text or "", data.get("usage"))
-        text, usage = [], None
+        text, usage, done = [], None, False
         for raw in r:
+            if not raw.endswith(b"\n"):
+                break  # a line cut short: the server went away while writing it
             line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if line == "data: [DONE]":
+                done = True
+            if not line.startswith("data: ") or done:
                 continue
             event = json.loads(line[len("data: ") :])
+            if "error" in event:  # the server's word that the request failed
+                return Outcome(spec, False, error=f"error event: {str(event['error'])[:300]}")
             usage = event.get("usage") or usage
             text.append(event_text(event))
             if spec.disconnect and text[-1]:
                 return Outcome(spec, True, "".join(text), disconnected=True)
+        if not done:
+            return Outcome(spec, False, error="the stream ended before data: [DONE]", cut=True)
         return Outcome(spec, True, "".join(text), usage)
-    except (OSError, http.client.HTTPException, ValueError, KeyError) as e:
+    except (OSError, http.client.HTTPException) as e:
+        return Outcome(spec, False, error=f"{type(e).__name__}: {e}", cut=True)
+    except (ValueError, KeyError) as e:
         return Outcome(spec, False, error=f"{type(e).__name__}: {e}")
     finally:
         conn.close()
@@ -183,6 +211,22 @@ def prompt_sets(seed: int, prefixes: int = 6, questions: int = 12) -> tuple[list
 def clients(seed: int, n: int) -> list[Client]:
     prefixes, questions = prompt_sets(seed)
     return [Client(seed * 1000 + i, prefixes, questions) for i in range(n)]
+
+
+def probe_specs(seed: int, n: int = PROBES) -> list[Spec]:
+    """Greedy completions of their own (no prefix shared with the clients' prompts), asked
+    before the first restart and again after each: a new server can only have them from
+    disk."""
+    rng = random.Random(f"probes {seed}")
+    return [
+        Spec(False, words(rng, rng.randrange(60, 120)), words(rng, 8), PROBE_TOKENS, False, False)
+        for _ in range(n)
+    ]
+
+
+def cached_tokens(usage: dict | None) -> int:
+    """The prompt tokens a response says came from the cache."""
+    return ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 def run_clients(
@@ -259,6 +303,23 @@ def idle_violations(stats: dict) -> list[str]:
     return bad
 
 
+def disk_violations(stats: dict, required: bool = False) -> list[str]:
+    """What must hold of the disk tier at any moment; ``required``: it must be on."""
+    if not stats.get("disk_enabled"):
+        if required:
+            return ["the disk tier is off (a hybrid model, or a disk that failed: see the log)"]
+        return []
+    bad = []
+    if stats["disk_bytes"] > stats["disk_bytes_max"]:
+        bad.append(
+            f"{stats['disk_bytes']} bytes on disk over the budget of {stats['disk_bytes_max']}"
+        )
+    if stats["disk_corrupt"]:
+        # A page is renamed into place once complete: no kill may leave a bad one.
+        bad.append(f"{stats['disk_corrupt']} files on disk failed their check")
+    return bad
+
+
 def _pages(stats: dict) -> str:
     keys = ("pages_total", "pages_free", "pages_locked", "pages_evictable")
     return ", ".join(f"{k}={stats[k]}" for k in keys)
@@ -281,18 +342,47 @@ class Report:
     idle_checks: int = 0
     live_checks: int = 0
     violations: list[str] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
-    log: Path | None = None  # the server's output
+    stats: dict = field(default_factory=dict)  # the last stats read
+    log: Path | None = None  # the server's output (of its last life)
+    logs: list[Path] = field(default_factory=list)  # every life's, in order
+    # Restarts: each server life's last stats (its counters start from 0), the restarts
+    # done, requests lost to them, restarts whose new server read pages from disk, and
+    # the probes asked after restarts and those whose prompt came back from disk.
+    disk: bool = False
+    lives: list[dict] = field(default_factory=list)
+    restarts: int = 0
+    lost: int = 0
+    restarts_hit: int = 0
+    probes: int = 0
+    probes_hit: int = 0
+
+    def total(self, key: str, lives: slice = slice(None)) -> int:
+        """``key`` summed over the server's lives (the last stats, without restarts)."""
+        return sum(s.get(key, 0) for s in (self.lives or [self.stats])[lives])
 
     def verdict(self) -> str:
-        s = self.stats
-        hit = s.get("cached_tokens", 0) / max(1, s.get("prompt_tokens", 0))
+        hit = self.total("cached_tokens") / max(1, self.total("prompt_tokens"))
         summary = (
             f"{self.seconds:.0f} s, {self.requests} requests ({self.streamed} streamed, "
             f"{self.disconnected} disconnected, {self.continued} continuations), "
             f"{self.idle_checks} idle + {self.live_checks} live checks, "
-            f"{s.get('evictions', 0)} pages evicted, {hit:.0%} of prompt tokens cached"
+            f"{self.total('evictions')} pages evicted, {hit:.0%} of prompt tokens cached"
         )
+        if self.restarts:
+            summary += (
+                f"; {self.restarts} restarts (SIGKILL, {self.lost} requests lost), "
+                f"{self.total('disk_hits', slice(1, None))} disk hits after them "
+                f"({self.restarts_hit} of {self.restarts} restarts hit), "
+                f"{self.probes_hit} of {self.probes} probes read back"
+            )
+        if self.disk:
+            last = self.stats
+            summary += (
+                f"; disk: {self.total('disk_hits')} hits, "
+                f"{self.total('disk_pages_read')} pages read, "
+                f"{self.total('disk_pages_written')} written, {last.get('disk_pages', 0)} "
+                f"stored ({last.get('disk_bytes', 0) / 2**20:.1f} MiB)"
+            )
         if not self.violations:
             return f"soak PASS: {summary}"
         return (
@@ -300,8 +390,52 @@ class Report:
         )
 
 
+class Lives:
+    """The soak's server, killed and started again on one port: a process a life, each
+    with its log (``server.log``, then ``server.1.log``, ...) in ``log_dir``."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], port: int, log_dir: Path):
+        self.cmd, self.env, self.port, self.log_dir = cmd, env, port, log_dir
+        self.server: ServerProcess | None = None
+        self.logs: list[Path] = []
+
+    def start(self) -> None:
+        """Start a life and wait for ``/health``; RuntimeError if it does not come up."""
+        name = f"server.{len(self.logs)}.log" if self.logs else "server.log"
+        self.logs.append(self.log_dir / name)
+        server = ServerProcess(self.cmd, self.env, self.port, self.logs[-1])
+        try:
+            server.__enter__()
+        except BaseException:
+            if server.proc is not None:
+                server.__exit__(None, None, None)
+            raise
+        self.server = server
+
+    def kill(self) -> None:
+        """SIGKILL: no clean shutdown, nothing written out; the next life gets whatever
+        the disk tier had renamed into place."""
+        server, self.server = self.server, None
+        server.proc.kill()
+        server.proc.wait()
+        server.__exit__(None, None, None)
+
+    def stop(self) -> int | None:
+        """Stop the server cleanly (SIGTERM); its exit status if it had exited on its own."""
+        server, self.server = self.server, None
+        if server is None:
+            return None
+        code = server.proc.poll()
+        server.__exit__(None, None, None)
+        return code
+
+
 class Soak:
-    """Drive ``n_clients`` clients against a running server on ``port`` for ``seconds``."""
+    """Drive ``n_clients`` clients against a running server on ``port`` for ``seconds``.
+
+    With ``lives`` (the server) and ``restart_every``, the server is killed and started
+    again every ``restart_every`` seconds; ``disk``: its disk tier must be on.
+    """
 
     def __init__(
         self,
@@ -312,18 +446,28 @@ class Soak:
         check_every: float = 10.0,
         idle_timeout: float = 60.0,
         request_timeout: float = 300.0,
+        *,
+        lives: Lives | None = None,
+        restart_every: float | None = None,
+        disk: bool = False,
     ):
         self.port, self.seconds, self.check_every = port, seconds, check_every
         self.idle_timeout, self.request_timeout = idle_timeout, request_timeout
         self.clients = clients(seed, n_clients)
-        self.report = Report()
+        self.report = Report(disk=disk)
         self.answers: dict[tuple, str] = {}
+        self.lives = lives if restart_every else None
+        self.restart_every = restart_every
+        self.probes = probe_specs(seed) if self.lives else []
+        self.probe_answers: dict[tuple, str] = {}
         self._lock = threading.Lock()
         self._go = threading.Event()  # set: clients may send
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
-        self._accepted = 0  # requests the server took (HTTP 200)
+        self._accepted = 0  # requests the server's current life took (HTTP 200)
         self._stop = False
+        self._epoch = 0  # the server's life: one more at each restart
+        self._down = False  # from just before a kill until the new server answers
 
     def get(self, path: str) -> tuple[int, str]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
@@ -351,21 +495,30 @@ class Soak:
                 if not self._go.is_set():
                     continue
                 self._in_flight += 1
+                epoch, down = self._epoch, self._down
             outcome = client.run_one(self.port, timeout=self.request_timeout)
             with self._lock:
-                self._record(outcome)
+                self._record(outcome, epoch, down)
                 self._in_flight -= 1
                 self._idle.notify_all()
+            if outcome.cut:
+                time.sleep(CUT_PAUSE)  # the server is down: no busy loop of refusals
 
-    def _record(self, o: Outcome) -> None:
+    def _record(self, o: Outcome, epoch: int = 0, down: bool = False) -> None:
+        """File a request's outcome; ``epoch`` and ``down``: the server's life and whether
+        it was down when the request was sent."""
         spec, r = o.spec, self.report
+        if o.cut and (down or self._down or epoch != self._epoch):
+            r.lost += 1  # in flight at a kill, or sent while the server was down
+            return
         r.requests += 1
         r.streamed += spec.stream
         r.continued += spec.chain > 0
         if not o.ok:
             r.violations.append(f"{spec.describe()} failed: {o.error}")
             return
-        self._accepted += 1
+        if epoch == self._epoch:
+            self._accepted += 1  # else the last life took it, and is gone
         if o.disconnected:
             r.disconnected += 1
             return
@@ -373,8 +526,9 @@ class Soak:
         if seen != o.text:
             r.violations.append(f"greedy answer changed for one prompt: {seen!r} then {o.text!r}")
 
-    def _quiesce(self) -> None:
+    def _quiesce(self, when: str | None = None) -> None:
         """Stop the clients, wait for their requests and the server to finish; check idle."""
+        when = when or f"after {self.report.requests} requests"
         self._go.clear()
         with self._idle:
             self._idle.wait_for(lambda: self._in_flight == 0)
@@ -383,15 +537,19 @@ class Soak:
         deadline = time.monotonic() + self.idle_timeout
         while True:
             stats = self._stats()
-            if finished(stats) >= accepted and not idle_violations(stats):
+            bad = idle_violations(stats)
+            # Waiting settles what only holds once requests are done, not the rest.
+            live = live_violations(stats)
+            if finished(stats) >= accepted and all(v in live for v in bad):
                 break
             if time.monotonic() > deadline:
-                for v in idle_violations(stats) or [
-                    f"{accepted - finished(stats)} accepted requests never finished"
-                ]:
-                    self.violation(f"idle after {self.report.requests} requests: {v}")
+                bad = bad or [f"{accepted - finished(stats)} accepted requests never finished"]
                 break
             time.sleep(0.2)
+        for v in bad:
+            self.violation(f"idle {when}: {v}")
+        for v in disk_violations(stats, self.report.disk):
+            self.violation(f"{when}: {v}")
         self.report.idle_checks += 1
         self.report.stats = stats
 
@@ -399,9 +557,81 @@ class Soak:
         status, body = self.get("/health")
         if status != 200:
             self.violation(f"/health answered {status}: {body[:200]}")
-        for v in live_violations(self._stats()):
+        stats = self._stats()
+        for v in live_violations(stats) + disk_violations(stats, self.report.disk):
             self.violation(v)
         self.report.live_checks += 1
+
+    def _probe(self, restart: int = 0) -> None:
+        """Ask the probe prompts, clients paused: before the first restart, their answers;
+        after restart ``restart``, the same answers, and whether they came from disk."""
+        for spec in self.probes:
+            o = send(self.port, spec, timeout=self.request_timeout)
+            if not o.ok:
+                self.violation(f"probe {spec.describe()} failed: {o.error}")
+                continue
+            with self._lock:
+                self._accepted += 1
+            seen = self.probe_answers.setdefault(spec.key(), o.text)
+            if seen != o.text:
+                self.violation(
+                    f"greedy answer of a probe changed after restart {restart}: "
+                    f"{seen!r} then {o.text!r}"
+                )
+            if restart:
+                self.report.probes += 1
+                # A new server's pool is empty: what it had cached came from disk.
+                self.report.probes_hit += cached_tokens(o.usage) > 0
+
+    def _ready(self) -> bool:
+        """Wait until the server has bound its model: it answers ``/health`` while the
+        model loads on its generation thread, and its stats show no pool until then."""
+        deadline = time.monotonic() + self.idle_timeout
+        while not self._stats().get("model"):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+    def _restart(self) -> None:
+        """Kill the server (SIGKILL) with requests in flight, start it again on the same
+        disk tier; then, clients paused, it must be idle, answer the probes as before and
+        have read pages back from disk."""
+        n = self.report.restarts + 1
+        before = self._stats()
+        self.report.lives.append(before)  # the dying life's counters, near enough
+        with self._lock:
+            self._down = True
+        self.lives.kill()
+        with self._lock:
+            self._epoch += 1
+            self._accepted = 0
+        try:
+            self.lives.start()
+        except RuntimeError as e:
+            self.violation(f"the server did not come back after restart {n}: {str(e)[-600:]}")
+            return
+        with self._lock:
+            self._down = False
+        self.report.restarts = n
+        if not self._ready():
+            self.violation(f"no model loaded {self.idle_timeout:g} s after restart {n}")
+            return
+        self._quiesce(f"after restart {n}")
+        kept, had = self.report.stats.get("disk_pages", 0), before.get("disk_pages", 0)
+        if not kept:
+            self.violation(f"the disk tier was empty after restart {n}")
+        elif (
+            kept < had
+            and not before.get("disk_writes_dropped")
+            and before.get("disk_bytes", 0) < 0.8 * before.get("disk_bytes_max", 0)
+        ):
+            # Nothing was evicted or dropped: every page renamed into place must be found.
+            self.violation(f"{kept} pages on disk after restart {n}, of {had} before the kill")
+        self._probe(n)
+        self._quiesce(f"after restart {n} and the probes")
+        if self.report.stats.get("disk_hits"):
+            self.report.restarts_hit += 1
 
     def run(self) -> Report:
         threads = [threading.Thread(target=self._client, args=(c,)) for c in self.clients]
@@ -409,14 +639,31 @@ class Soak:
             t.start()
         start = time.monotonic()
         end = start + self.seconds
+        # Restarts at every ``restart_every`` seconds from the start, none in the last one.
+        every = self.restart_every if self.lives else None
+        restart_at = start + every if every else float("inf")
         try:
+            if not self._ready():
+                self.violation(f"no model loaded {self.idle_timeout:g} s after the start")
+            elif self.probes:
+                self._probe()  # the answers every restart must give again
             while time.monotonic() < end and not self.report.violations:
                 self._go.set()
                 until = min(end, time.monotonic() + self.check_every)
+                restart = False
                 while time.monotonic() < until:
-                    time.sleep(min(2.0, max(0.0, until - time.monotonic())))
+                    wake = min(until, restart_at)
+                    time.sleep(min(2.0, max(0.0, wake - time.monotonic())))
+                    if time.monotonic() >= restart_at and restart_at < end - 1:
+                        restart = True
+                        break
                     self._live_check()
-                self._quiesce()
+                if restart:
+                    self._restart()
+                    # At least half a period of traffic after a restart that ran long.
+                    restart_at = max(restart_at + every, time.monotonic() + every / 2)
+                else:
+                    self._quiesce()
         except (OSError, http.client.HTTPException, RuntimeError) as e:
             self.violation(f"the server stopped answering: {type(e).__name__}: {e}")
         finally:
@@ -426,6 +673,9 @@ class Soak:
             for t in threads:
                 t.join()
             self.report.seconds = time.monotonic() - start
+        self.report.lives.append(self.report.stats)
+        if self.report.restarts and not self.report.restarts_hit:
+            self.violation(f"none of {self.report.restarts} restarts read a page from disk")
         return self.report
 
 
@@ -439,22 +689,57 @@ def soak_server(
     seed: int = 0,
     check_every: float = 10.0,
     env: dict[str, str] | None = None,
+    restart_every: float | None = None,
+    disk_dir: str | Path | None = None,
+    disk_bytes: int = 0,
 ) -> Report:
     """Start ``mlx_lm.server --plugin radix`` on ``model`` (127.0.0.1) and soak it.
 
     The pool is small on purpose: the workload keeps it full, so eviction runs all along.
+    ``restart_every`` seconds: kill the server (SIGKILL) that often and start it again, on
+    the disk tier. ``disk_dir`` turns the disk tier on there (default with restarts: a
+    temporary directory, removed after a soak that passed); ``disk_bytes`` is its budget
+    (0: the server's default).
     """
+    if restart_every is not None and not 0 < restart_every < minutes * 60:
+        raise ValueError(f"restarts every {restart_every} s in a soak of {minutes * 60:g} s")
     port = free_port()
     cmd = [sys.executable, "-m", "mlx_lm", "server", "--plugin", "radix"]
     cmd += ["--model", model, "--port", str(port)]
     env = dict(os.environ if env is None else env)
     env.update(MLX_RADIX_POOL_TOKENS=str(pool_tokens), MLX_RADIX_PAGE_SIZE=str(page_size))
-    log = Path(tempfile.mkdtemp(prefix="mlx-radix-soak-")) / "server.log"
-    with ServerProcess(cmd, env, port, log) as server:
-        report = Soak(port, minutes * 60, clients, seed, check_every).run()
-        if server.proc.poll() is not None:
-            report.violations.append(f"the server exited with status {server.proc.returncode}")
-    report.log = log
+    run_dir = Path(tempfile.mkdtemp(prefix="mlx-radix-soak-"))
+    disk = restart_every is not None or disk_dir is not None
+    if disk:
+        env.update(
+            MLX_RADIX_DISK_ENABLED="1",
+            MLX_RADIX_DISK_DIR=str(disk_dir or run_dir / "disk"),
+            MLX_RADIX_DISK_BYTES=str(disk_bytes),
+        )
+        # Read pages back even where computing them is measured faster (a small model):
+        # the soak is there to check what comes back from disk.
+        env.setdefault(BY_KEY["radix.disk.restore"].env, "always")
+    lives = Lives(cmd, env, port, run_dir)
+    lives.start()
+    try:
+        soak = Soak(
+            port,
+            minutes * 60,
+            clients,
+            seed,
+            check_every,
+            lives=lives,
+            restart_every=restart_every,
+            disk=disk,
+        )
+        report = soak.run()
+    finally:
+        status = lives.stop()
+    if status is not None:
+        report.violations.append(f"the server exited with status {status}")
+    report.log, report.logs = lives.logs[-1], lives.logs
+    if disk and disk_dir is None and not report.violations:
+        shutil.rmtree(run_dir / "disk", ignore_errors=True)
     return report
 
 
@@ -465,3 +750,5 @@ def lines(report: Report) -> Iterator[str]:
         for v in report.violations[1:6]:
             yield f"  also: {v}"
         yield f"  server log: {report.log}"
+        if len(report.logs) > 1:
+            yield f"  earlier lives' logs: {', '.join(p.name for p in report.logs[:-1])}"

@@ -38,6 +38,7 @@ from .workloads import (
     Prompts,
     Run,
     Sampling,
+    Workload,
     eos_logit_bias,
     run_workload,
     single_token_words,
@@ -152,15 +153,19 @@ def _start(
     work: Path,
     pool_tokens: int | None,
     warmup: str,
+    env: dict[str, str] | None = None,
+    log: str | None = None,
 ) -> tuple[ServerProcess, int | None]:
-    """Start ``name``'s server and send it one request; the server and its peak memory so
-    far (loading the model included)."""
+    """Start ``name``'s server (with ``env`` added to its environment, its output in
+    ``work/log``) and send it one request; the server and its peak memory so far (loading
+    the model included)."""
     port = free_port()
     cmd = [sys.executable, "-m", "mlx_lm", "server", *SERVER_FLAGS[name], "--model", str(model)]
     cmd += ["--port", str(port)]
     # The plugin as a user runs it: its own memory plan, unless --pool-tokens says otherwise.
     extra = {"MLX_RADIX_POOL_TOKENS": str(pool_tokens)} if name == "radix" and pool_tokens else {}
-    server = ServerProcess(cmd, server_env(work / "hf", extra), port, work / f"{name}.log")
+    extra.update(env or {})
+    server = ServerProcess(cmd, server_env(work / "hf", extra), port, work / (log or f"{name}.log"))
     try:
         stack.enter_context(server)
         with server.peak_rss(reset=False) as peak:
@@ -169,6 +174,76 @@ def _start(
     except (RuntimeError, OSError) as e:
         raise BenchError(f"{name} server failed: {e}\n{_log_tail(server)}") from e
     return server, peak.bytes
+
+
+# How long a stopped server may take to exit: the plugin writes its pool out first, for up
+# to radix.disk.shutdown_seconds (30 s by default).
+STOP_TIMEOUT_S = 120.0
+
+
+def disk_env(directory: Path, restore: str = "auto") -> dict[str, str]:
+    """The plugin's disk tier on, in ``directory``, reading pages back as ``restore`` says
+    (``radix.disk.restore``)."""
+    return {
+        "MLX_RADIX_DISK_ENABLED": "1",
+        "MLX_RADIX_DISK_DIR": str(directory),
+        "MLX_RADIX_DISK_RESTORE": restore,
+    }
+
+
+def _restart_run(
+    name: str,
+    model: Path,
+    work: Path,
+    pool_tokens: int | None,
+    warmup: str,
+    workload: Workload,
+    prompts: Prompts,
+    sampling: Sampling,
+    tick,
+    label: str,
+    show: _Progress,
+    rep: int = 0,
+    on_start=lambda server: None,
+    disk_restore: str = "auto",
+) -> Run:
+    """``workload`` (one that restarts its server) on new processes of ``name``'s server:
+    one is started, sent the request before the restart and stopped with SIGTERM; the next,
+    on the same disk directory, gets the measured request. ``on_start(server)`` for each;
+    their logs are ``work/NAME-WORKLOAD-REP-{1,2}.log``. Each round's disk directory is new
+    (under ``work/disk``): the pages found at the restart are that round's."""
+    disk = work / "disk" / f"{workload.name}-{rep + 1}"
+    env = disk_env(disk, disk_restore) if name == "radix" else {}
+    stem = f"{name}-{workload.name}-{rep + 1}"
+    current: list[ServerProcess] = []
+
+    def start(stack: contextlib.ExitStack, part: int) -> ServerProcess:
+        server, _ = _start(stack, name, model, work, pool_tokens, warmup, env, f"{stem}-{part}.log")
+        current[:] = [server]
+        on_start(server)
+        return server
+
+    with contextlib.ExitStack() as stack:
+        first = start(stack, 1)
+
+        def restart(server: ServerProcess) -> tuple[ServerProcess, dict]:
+            t0 = time.perf_counter()
+            code = server.stop(STOP_TIMEOUT_S)
+            t1 = time.perf_counter()
+            new = start(stack, 2)
+            t2 = time.perf_counter()
+            how = "was killed" if code is None else f"exit status {code}"
+            show.line(f"{label}: {name} stopped in {t1 - t0:.1f} s ({how}), up in {t2 - t1:.1f} s")
+            info = {"exit_code": code, "stop_s": round(t1 - t0, 3), "start_s": round(t2 - t1, 3)}
+            return new, info
+
+        try:
+            return run_workload(first, name, workload, prompts, sampling, tick, restart=restart)
+        except BenchError:
+            raise
+        except (RuntimeError, OSError) as e:
+            log = _log_tail(current[0])
+            raise BenchError(f"{label} failed: {e}\n{name} server log:\n{log}") from e
 
 
 def run(
@@ -181,6 +256,7 @@ def run(
     ban_eos: bool = False,
     only: tuple[str, ...] = (),
     progress: bool = True,
+    disk_restore: str = "auto",
 ) -> dict:
     """Run ``preset_name``'s workloads (or those named in ``only``) on both servers; the
     report of ``bench_report.build_report``."""
@@ -196,14 +272,17 @@ def run(
     ):
         work = Path(tmp)
         (work / "hf").mkdir()
+        warmup = " ".join(words[:3])
         servers: dict[str, ServerProcess] = {}
         startup_rss: dict[str, int | None] = {}
-        for name in SERVER_FLAGS:
-            t0 = time.perf_counter()
-            servers[name], startup_rss[name] = _start(
-                stack, name, model, work, pool_tokens, " ".join(words[:3])
-            )
-            show.line(f"{name} server up in {time.perf_counter() - t0:.1f} s")
+        # Started once for every workload that does not restart its own servers.
+        if any(not w.restarts for w in workloads):
+            for name in SERVER_FLAGS:
+                t0 = time.perf_counter()
+                servers[name], startup_rss[name] = _start(
+                    stack, name, model, work, pool_tokens, warmup
+                )
+                show.line(f"{name} server up in {time.perf_counter() - t0:.1f} s")
         meta = {
             "schema": 1,
             "model": model_label,
@@ -212,14 +291,19 @@ def run(
             "pool_tokens": pool_tokens,
             "eos_banned": ban_eos,
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(servers["stock"].proc.pid),
+            "machine": machine(servers["stock"].proc.pid) if servers else None,
             "peak_rss_method": None,
         }
+
+        def note_machine(server: ServerProcess) -> None:
+            if meta["machine"] is None:
+                meta["machine"] = machine(server.proc.pid)
+
         compared = {}
         for i, workload in enumerate(workloads):
-            runs: dict[str, list[Run]] = {name: [] for name in servers}
+            runs: dict[str, list[Run]] = {name: [] for name in SERVER_FLAGS}
             for rep in range(workload.repeats):
-                order = list(servers) if (i + rep) % 2 == 0 else list(servers)[::-1]
+                order = list(SERVER_FLAGS) if (i + rep) % 2 == 0 else list(SERVER_FLAGS)[::-1]
                 for name in order:
                     label = f"[{i + 1}/{len(workloads)}] {workload.name} on {name}"
                     if workload.repeats > 1:
@@ -228,7 +312,29 @@ def run(
                     prompts = Prompts(f"{seed}:{workload.name}:{rep}", words)
                     try:
                         with show.bar(label, workload.total_requests) as tick:
-                            r = run_workload(servers[name], name, workload, prompts, sampling, tick)
+                            if workload.restarts:
+                                r = _restart_run(
+                                    name,
+                                    model,
+                                    work,
+                                    pool_tokens,
+                                    warmup,
+                                    workload,
+                                    prompts,
+                                    sampling,
+                                    tick,
+                                    label,
+                                    show,
+                                    rep,
+                                    note_machine,
+                                    disk_restore,
+                                )
+                            else:
+                                r = run_workload(
+                                    servers[name], name, workload, prompts, sampling, tick
+                                )
+                    except BenchError:
+                        raise
                     except (RuntimeError, OSError) as e:
                         log = _log_tail(servers[name])
                         raise BenchError(f"{label} failed: {e}\n{name} server log:\n{log}") from e
@@ -268,9 +374,9 @@ def _model_choice(model: str | None, random_shape: str | None, dtype: str, tmp: 
     "bench",
     help="Benchmark stock mlx_lm.server against mlx_lm.server --plugin radix on the same "
     "model: shared prefix, burst, prefix repetition, multi-turn chat, decode, decode on a "
-    "shared prefix and memory workloads, side by side. Prints a table, writes a JSON report "
-    "and (with matplotlib) PNG charts. With neither --model nor --random it uses the default "
-    "model.",
+    "shared prefix, memory and warm restart workloads, side by side. Prints a table, writes "
+    "a JSON report and (with matplotlib) PNG charts. With neither --model nor --random it "
+    "uses the default model.",
 )
 @click.option(
     "--preset",
@@ -319,8 +425,28 @@ def _model_choice(model: str | None, random_shape: str | None, dtype: str, tmp: 
     type=click.Path(dir_okay=False, path_type=Path),
     help="Report file (default: bench-results/PRESET-TIME.json). Charts go next to it.",
 )
+@click.option(
+    "--disk-restore",
+    type=click.Choice(["auto", "always"]),
+    default="auto",
+    show_default=True,
+    help="The plugin's radix.disk.restore in the restart workload (always: read pages back "
+    "even where computing them is measured faster, as on a tiny model).",
+)
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
-def command(preset, model, random_shape, dtype, only, seed, pool_tokens, ban_eos, json_path, quiet):
+def command(
+    preset,
+    model,
+    random_shape,
+    dtype,
+    only,
+    seed,
+    pool_tokens,
+    ban_eos,
+    disk_restore,
+    json_path,
+    quiet,
+):
     with tempfile.TemporaryDirectory(prefix="mlx-radix-model-") as tmp:
         path, label = _model_choice(model, random_shape, dtype, Path(tmp))
         try:
@@ -333,6 +459,7 @@ def command(preset, model, random_shape, dtype, only, seed, pool_tokens, ban_eos
                 ban_eos=bool(random_shape) if ban_eos is None else ban_eos,
                 only=only,
                 progress=not quiet,
+                disk_restore=disk_restore,
             )
         except (BenchError, PromptError) as e:
             raise click.ClickException(str(e)) from e

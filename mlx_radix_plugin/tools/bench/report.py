@@ -12,7 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .workloads import Run, Workload
+from .workloads import Restart, Run, Workload
 
 SERVERS = ("stock", "radix")
 # Ratios are radix / stock: below 1 is better for times, tokens computed and memory,
@@ -110,6 +110,85 @@ def _round(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
 
 
+# What each server's side of a restart round reports from its run's ``restarted``.
+RESTART_KEYS = (
+    "exit_code",
+    "stop_s",
+    "start_s",
+    "disk_pages_written_before_stop",
+    "disk_pages_at_start",
+    "disk_hits",
+    "disk_pages_read",
+    "disk_restore_seconds",
+    "page_size",
+)
+
+
+def _per_1k(seconds: float | None, tokens: int | None) -> float | None:
+    """Seconds per 1,000 tokens, or None without either."""
+    if seconds is None or not tokens:
+        return None
+    return round(seconds / tokens * 1000, 4)
+
+
+def restart_side(run: Run) -> dict:
+    """One server's round of the restart workload: its measured request after the restart
+    (TTFT, tokens cached, TTFT per 1,000 prompt tokens, which for a server that recomputes
+    the whole prompt is its prefill's rate), the restart, and the disk tier's reads (the
+    plugin's stats: None from stock). ``restore_s_per_1k_tokens`` is the time the restore
+    took over the tokens it read back (``disk_pages_read`` x ``page_size``)."""
+    after = run.replies[Restart.AFTER]
+    info = run.restarted or {}
+    prompt = after.usage["prompt_tokens"]
+    side = {
+        "ttft_before_s": _round(run.before.ttft_s) if run.before else None,
+        "ttft_after_s": _round(after.ttft_s),
+        "prompt_tokens_after": prompt,
+        "cached_tokens_after": _cached(after.usage),
+        "ttft_s_per_1k_prompt_tokens": _per_1k(after.ttft_s, prompt),
+        **{k: info.get(k) for k in RESTART_KEYS},
+    }
+    pages, page_size = side["disk_pages_read"], side["page_size"]
+    read = None if pages is None or page_size is None else pages * page_size
+    side["disk_tokens_read"] = read
+    side["restore_s_per_1k_tokens"] = _per_1k(side["disk_restore_seconds"], read)
+    return side
+
+
+def compare_restart(runs: dict[str, list[Run]]) -> dict:
+    """The restart workload's rounds, and their medians: TTFT after the restart (stock over
+    radix: above 1, the plugin's first token came sooner), the tokens the request found
+    cached, and a restore's seconds per 1,000 tokens read back against stock's prefill
+    seconds per 1,000 prompt tokens (stock / radix again)."""
+    rounds = []
+    for s, r in zip(runs["stock"], runs["radix"]):
+        rd = {"stock": restart_side(s), "radix": restart_side(r)}
+        rd["ttft_after_restart_speedup"] = ratio(
+            rd["stock"]["ttft_after_s"], rd["radix"]["ttft_after_s"]
+        )
+        rd["restore_speedup_per_1k_tokens"] = ratio(
+            rd["stock"]["ttft_s_per_1k_prompt_tokens"], rd["radix"]["restore_s_per_1k_tokens"]
+        )
+        rounds.append(rd)
+
+    def median(server: str, key: str, digits: int = 3):
+        return _median([rd[server][key] for rd in rounds], digits)
+
+    return {
+        "by_round": rounds,
+        "ttft_after_restart_s": {s: median(s, "ttft_after_s") for s in SERVERS},
+        "ttft_after_restart_speedup": _median([rd["ttft_after_restart_speedup"] for rd in rounds]),
+        "cached_tokens_after_restart": {s: median(s, "cached_tokens_after", 1) for s in SERVERS},
+        "recompute_s_per_1k_tokens": median("stock", "ttft_s_per_1k_prompt_tokens", 4),
+        "restore_s_per_1k_tokens": median("radix", "restore_s_per_1k_tokens", 4),
+        "restore_speedup_per_1k_tokens": _median(
+            [rd["restore_speedup_per_1k_tokens"] for rd in rounds]
+        ),
+        "disk_hits_after_restart": [rd["radix"]["disk_hits"] for rd in rounds],
+        "exit_codes": {s: [rd[s]["exit_code"] for rd in rounds] for s in SERVERS},
+    }
+
+
 def compare(workload: Workload, runs: dict[str, list[Run]]) -> dict:
     """Both servers' totals on ``workload``, their ratios, and whether outputs matched.
 
@@ -124,9 +203,17 @@ def compare(workload: Workload, runs: dict[str, list[Run]]) -> dict:
         for s, r in zip(runs["stock"], runs["radix"])
         for key in s.replies
     )
+    if workload.restarts:
+        # The request before the restart is compared too.
+        mismatched += sum(
+            s.before.text != r.before.text
+            for s, r in zip(runs["stock"], runs["radix"])
+            if s.before is not None and r.before is not None
+        )
+        out.update(compare_restart(runs))
     out["greedy_outputs_match"] = mismatched == 0
     out["mismatched_requests"] = mismatched
-    if workload.repeats > 1 or workload.decode_rate:
+    if (workload.repeats > 1 or workload.decode_rate) and not workload.restarts:
         rounds = []
         for s, r in zip(runs["stock"], runs["radix"]):
             rd = {
@@ -219,6 +306,17 @@ def acceptance(workloads: dict[str, dict]) -> dict:
             decode_shared_kv_held_over_one_copy=d["kv_held_over_one_copy"],
             decode_shared_kv_held_decode_over_one_copy=d["kv_held_decode_over_one_copy"],
             decode_shared_paths=d["decode_paths"],
+        )
+    if "restart" in workloads:
+        r = workloads["restart"]
+        out.update(
+            restart_prefix_tokens=r["params"]["prefix_tokens"],
+            restart_ttft_after_s=r["ttft_after_restart_s"],
+            restart_ttft_after_speedup=r["ttft_after_restart_speedup"],
+            restart_cached_tokens_after=r["cached_tokens_after_restart"],
+            restart_recompute_s_per_1k_tokens=r["recompute_s_per_1k_tokens"],
+            restart_restore_s_per_1k_tokens=r["restore_s_per_1k_tokens"],
+            restart_restore_speedup_per_1k_tokens=r["restore_speedup_per_1k_tokens"],
         )
     if "memory" in workloads:
         m = workloads["memory"]
@@ -348,6 +446,9 @@ def _notes(report: dict) -> list[str]:
             f"memory, {p['requests']} live on a {p['prefix_tokens']}-token prefix: {_held(m)}; "
             f"the same tokens stored per request: {m['kv_bytes_unshared'] / 2**20:.2f} MiB"
         )
+    r = report["workloads"].get("restart")
+    if r:
+        out += _restart_notes(r)
     peaks = report["peak_rss_bytes"]
     if all(peaks[s] is not None for s in SERVERS):
         out.append(
@@ -356,6 +457,55 @@ def _notes(report: dict) -> list[str]:
         )
     out.append(f"greedy outputs identical: {'yes' if report['greedy_outputs_match'] else 'NO'}")
     return out
+
+
+def _restart_notes(w: dict) -> list[str]:
+    """The restart workload's rows: medians over its rounds, each server and stock/radix."""
+    p, rounds = w["params"], w["by_round"]
+
+    def cell(value, fmt: str) -> str:
+        return "-" if value is None else fmt.format(value)
+
+    codes = w["exit_codes"]
+    rows = [
+        ("", "stock", "radix", "stock/radix"),
+        (
+            "TTFT after restart, s",
+            cell(w["ttft_after_restart_s"]["stock"], "{:.3f}"),
+            cell(w["ttft_after_restart_s"]["radix"], "{:.3f}"),
+            _times(w["ttft_after_restart_speedup"]),
+        ),
+        (
+            "s per 1,000 tokens: prefill / disk restore",
+            cell(w["recompute_s_per_1k_tokens"], "{:.4f}"),
+            cell(w["restore_s_per_1k_tokens"], "{:.4f}"),
+            _times(w["restore_speedup_per_1k_tokens"]),
+        ),
+        (
+            "cached tokens after restart",
+            cell(w["cached_tokens_after_restart"]["stock"], "{:g}"),
+            cell(w["cached_tokens_after_restart"]["radix"], "{:g}"),
+            "",
+        ),
+        (
+            "exit status on SIGTERM",
+            " ".join(cell(c, "{}") for c in codes["stock"]),
+            " ".join(cell(c, "{}") for c in codes["radix"]),
+            "",
+        ),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [
+        f"restart, a new {p['prefix_tokens']}-token prefix, the server stopped (SIGTERM) and "
+        f"started again, the plugin's disk tier on; medians of {len(rounds)} "
+        f"round{'s' if len(rounds) != 1 else ''} (TTFT after restart, stock/radix by round: "
+        + " ".join(_times(rd["ttft_after_restart_speedup"]) for rd in rounds)
+        + "):"
+    ]
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(widths[i + 1]) for i, c in enumerate(r[1:])]
+        lines.append(("  " + "  ".join(cells)).rstrip())
+    return lines
 
 
 def _times(r: float | None) -> str:

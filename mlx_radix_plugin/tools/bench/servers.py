@@ -56,6 +56,18 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server did not come up:\n{self.output()}")
 
+    def stop(self, timeout: float) -> int | None:
+        """SIGTERM, and wait up to ``timeout`` seconds for the process to end: its exit
+        status, or None when it had to be killed. Leaving the ``with`` block after it is
+        harmless."""
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         try:

@@ -136,6 +136,9 @@ class Workload(ABC):
     poll_pool: ClassVar[bool] = False
     # Report decode tokens/s per run from the replies' first-token and end times.
     decode_rate: ClassVar[bool] = False
+    # Runs on fresh server processes that it stops and starts again (``run_workload``'s
+    # ``restart``), not on the servers the other workloads share.
+    restarts: ClassVar[bool] = False
 
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -369,6 +372,47 @@ class DecodeShared(LivePrefix):
 
 
 @dataclass(frozen=True)
+class Restart(Workload):
+    """A warm restart: a request on a new ``prefix_tokens``-token prefix, then the server
+    stopped cleanly (SIGTERM, waited for) and started again, then a request on the same
+    prefix with another question. That request's TTFT is measured from its send, once the
+    new process answers and has had the benchmark's usual first request, so the model's load
+    is left out. The plugin runs with its disk tier on (in a new directory each round) and
+    reads the prefix's pages back; stock starts with nothing cached and computes it again.
+    Each of ``rounds`` rounds has a new prefix and new processes."""
+
+    prefix_tokens: int
+    question_tokens: int
+    output_tokens: int
+    rounds: int = 1
+    name: ClassVar[str] = "restart"
+    restarts: ClassVar[bool] = True
+    AFTER: ClassVar[str] = "after"  # the measured reply's key (the one before: ``Run.before``)
+
+    @property
+    def repeats(self) -> int:
+        return self.rounds
+
+    @property
+    def total_requests(self) -> int:
+        return 2  # one before the restart, one after
+
+    def _texts(self, p: Prompts) -> tuple[str, str, str]:
+        """The prefix and the two questions, drawn in this order whoever asks first."""
+        prefix = p.kept("prefix", self.prefix_tokens)
+        return prefix, p.kept("before", self.question_tokens), p.kept("after", self.question_tokens)
+
+    def before(self, p: Prompts, s: Sampling) -> Request:
+        """The request sent before the restart (not timed against anything)."""
+        prefix, question, _ = self._texts(p)
+        return s.completion(prefix + question, self.output_tokens)
+
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        prefix, _, question = self._texts(p)
+        return _pool([(self.AFTER, s.completion(prefix + question, self.output_tokens))], 1)
+
+
+@dataclass(frozen=True)
 class Preset:
     workloads: tuple[Workload, ...]
 
@@ -384,6 +428,7 @@ PRESETS: dict[str, Preset] = {
             Decode(4, 8, 16, rounds=2),
             DecodeShared(4, 64, 8, 16, rounds=2),
             Memory(8, 128, 8, 8),
+            Restart(128, 8, 4),
         ),
     ),
     "small": Preset(
@@ -395,6 +440,7 @@ PRESETS: dict[str, Preset] = {
             Decode(8, 32, 64, rounds=3),
             DecodeShared(8, 1024, 16, 64, rounds=3),
             Memory(8, 1024, 16, 16),
+            Restart(2048, 16, 8, rounds=3),
         ),
     ),
     # DESIGN.md's baselines: shared prefix 4 x 8 of ~600 tokens, burst of 8 on a new
@@ -409,6 +455,7 @@ PRESETS: dict[str, Preset] = {
             Decode(8, 32, 128, rounds=5),
             DecodeShared(8, 2048, 16, 128, rounds=3),
             Memory(8, 1024, 16, 32),
+            Restart(4096, 16, 8, rounds=3),
         ),
     ),
 }
@@ -446,6 +493,33 @@ class Run:
     kv_bytes_held_decode_peak: int | None = None
     pool_bytes_per_token: float | None = None
     decode_paths: list[str] | None = None  # the plugin's decode paths seen, in order
+    # A workload that restarts its server: the reply before the restart, and ``restarted``,
+    # what the restart and (from the plugin's stats) the disk tier did; see ``run_workload``.
+    before: Reply | None = None
+    restarted: dict | None = None
+
+
+# What a restart hands back: the new server (up, its first request sent) and
+# {"exit_code": the old process's exit status (None: it was killed, not stopped),
+#  "stop_s": seconds from SIGTERM to its exit, "start_s": seconds until the new one answered}.
+Restarter = Callable[[ServerProcess], tuple[ServerProcess, dict]]
+# The disk tier's counters a restart reports, as deltas over the measured request.
+DISK_DELTAS = ("disk_hits", "disk_pages_read", "disk_restore_seconds")
+
+
+def _request(server: ServerProcess, name: str, path: str, body: dict) -> Reply:
+    """Send one streamed request; what came back and when."""
+    start = time.perf_counter()
+    first: list[float] = []
+    events = server.stream(path, body, on_first=lambda: first.append(time.perf_counter()))
+    done = time.perf_counter()
+    text = "".join(event_text(e) for e in events)
+    usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
+    if usage is None:
+        raise RuntimeError(f"{name}: no usage in the streamed response of {path}")
+    first_at = first[0] if first else None
+    ttft = None if first_at is None else first_at - start
+    return Reply(text, usage, ttft, first_at, done)
 
 
 def run_workload(
@@ -455,25 +529,30 @@ def run_workload(
     prompts: Prompts,
     sampling: Sampling,
     on_reply: Callable[[], None] = lambda: None,
+    restart: Restarter | None = None,
 ) -> Run:
-    """Run ``workload`` on ``server``; ``on_reply()`` after each request finishes."""
+    """Run ``workload`` on ``server``; ``on_reply()`` after each request finishes. A
+    workload that ``restarts`` sends its ``before`` request to ``server``, then measures
+    its clients on the server ``restart(server)`` hands back."""
     replies: dict[Hashable, Reply] = {}
 
     def send(key: Hashable, path: str, body: dict) -> str:
-        start = time.perf_counter()
-        first: list[float] = []
-        events = server.stream(path, body, on_first=lambda: first.append(time.perf_counter()))
-        done = time.perf_counter()
-        text = "".join(event_text(e) for e in events)
-        usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
-        if usage is None:
-            raise RuntimeError(f"{name}: no usage in the streamed response of {path}")
-        first_at = first[0] if first else None
-        ttft = None if first_at is None else first_at - start
-        replies[key] = Reply(text, usage, ttft, first_at, done)
+        replies[key] = reply = _request(server, name, path, body)
         on_reply()
-        return text
+        return reply.text
 
+    before = restarted = None
+    if workload.restarts:
+        if restart is None:
+            raise ValueError(f"{workload.name} restarts its server: run_workload needs restart")
+        before = _request(server, name, *workload.before(prompts, sampling))
+        on_reply()
+        old_stats = server.stats()
+        server, restarted = restart(server)
+        restarted = dict(restarted)
+        if old_stats is not None:
+            # Written through while the old process ran; its clean stop wrote the rest.
+            restarted["disk_pages_written_before_stop"] = old_stats.get("disk_pages_written")
     # Before the measured window: the stats deltas and the pool's baseline leave it out.
     for path, body in workload.warmup(prompts, sampling):
         server.stream(path, body)
@@ -500,6 +579,16 @@ def run_workload(
     if poller:
         run.kv_bytes_held_peak, run.decode_paths = poller.peak, poller.paths
         run.kv_bytes_held_decode_peak = poller.decode_peak
+    if workload.restarts:
+        run.before = before
+        if stats_before and stats_after:
+            # The new process's counters; its first request read nothing back.
+            restarted["page_size"] = stats_after["page_size"]
+            restarted["disk_pages_at_start"] = stats_before.get("disk_pages")
+            for key in DISK_DELTAS:
+                a, b = stats_after.get(key), stats_before.get(key)
+                restarted[key] = None if a is None or b is None else round(a - b, 6)
+        run.restarted = restarted
     return run
 
 
