@@ -196,3 +196,23 @@ def test_pins_are_changed_from_this_machine_only():
         assert plugin.pin_route(request).status == 403
     request = RouteRequest("DELETE", "/v1/cache/pin", "", b'{"prompt": "x"}', "127.0.0.1")
     assert plugin.pin_route(request).status == 409  # no model yet: not refused as a stranger
+
+
+def test_the_disk_tier_turns_itself_off_under_mlx_launch(loaded, tmp_path, monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from mlx_radix_plugin.config import load_config
+    from mlx_radix_plugin.server.server_cache import ServerPromptCache
+
+    model, tok = loaded("llama")
+    env = {**disk_env(tmp_path / "disk"), "MLX_RADIX_POOL_TOKENS": "256"}
+    cache = ServerPromptCache(load_config(environ=env))
+    monkeypatch.setattr(mx.distributed, "init", lambda: SimpleNamespace(size=lambda: 2))
+    with caplog.at_level(logging.WARNING, "mlx_radix"):
+        cache.bind(model, ("m", None, None), tokenizer=tok)
+    assert cache.radix is not None and cache.radix.tiering is None
+    assert "disk tier off: under mlx.launch (2 ranks)" in caplog.text
+    assert not (tmp_path / "disk").exists()

@@ -45,6 +45,13 @@ def serve(rpc, model, tok, prompt, key=KEY):
     return out, len(prompt) - len(rest)
 
 
+def on_disk(model, tok, root, prompt, key=KEY):
+    """A server's life: ``prompt`` served, its pages written, the server stopped."""
+    first = with_disk(model, root)
+    serve(first, model, tok, prompt, key=key)
+    stop(first)
+
+
 def written(rpc):
     rpc.tiering.pump(everything=True)
     assert rpc.tiering.disk.flush(10)
@@ -95,9 +102,7 @@ def test_pages_the_pool_evicted_come_back_from_disk(llama, tmp_path):
 def test_other_weights_or_page_size_see_nothing(llama, model_dirs, tmp_path, loaded):
     model, tok = llama
     prompt = list(range(10, 10 + 8 * PS))
-    first = with_disk(model, tmp_path / "disk")
-    serve(first, model, tok, prompt)
-    stop(first)
+    on_disk(model, tok, tmp_path / "disk", prompt)
 
     from mlx_lm import load
 
@@ -115,9 +120,7 @@ def test_salted_requests_share_on_disk_only_with_their_salt(llama, tmp_path):
     model, tok = llama
     salted = (*KEY, ("cache_salt", "a")) if isinstance(KEY, tuple) else (KEY, "a")
     prompt = list(range(10, 10 + 8 * PS))
-    first = with_disk(model, tmp_path)
-    serve(first, model, tok, prompt, key=salted)
-    stop(first)
+    on_disk(model, tok, tmp_path, prompt, key=salted)
     second = with_disk(model, tmp_path)
     assert serve(second, model, tok, prompt + [1])[1] == 0
     assert serve(second, model, tok, prompt + [1], key=salted)[1] == len(prompt)
@@ -127,9 +130,7 @@ def test_salted_requests_share_on_disk_only_with_their_salt(llama, tmp_path):
 def test_a_corrupt_page_is_a_miss_from_there_on(llama, tmp_path):
     model, tok = llama
     prompt = list(range(10, 10 + 8 * PS))
-    first = with_disk(model, tmp_path)
-    serve(first, model, tok, prompt)
-    stop(first)
+    on_disk(model, tok, tmp_path, prompt)
     second = with_disk(model, tmp_path)
     tier = second.tiering
     keys = tier.hashes(KEY, prompt, 8)
@@ -188,9 +189,7 @@ def test_auto_reads_back_only_what_is_faster_than_computing(llama, tmp_path):
 
     model, tok = llama
     prompt = list(range(10, 10 + 8 * PS))
-    first = with_disk(model, tmp_path)
-    serve(first, model, tok, prompt)
-    stop(first)
+    on_disk(model, tok, tmp_path, prompt)
     rate = prefill_seconds_per_token(model)
     assert 0 < rate < 1
     # A machine that computes a page in a nanosecond, and one that takes a second a token.

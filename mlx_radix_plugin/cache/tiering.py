@@ -13,9 +13,10 @@ the tree holds and the disk lacks (``save_tree``).
 Reads run on the generation thread, in the fetch: the pages are read (by several threads),
 checked, written into new pool pages and filed in the tree, and the request's match continues
 through them. Only where that is faster than computing them: on the H200, Llama-3-8B's shape
-in bfloat16, reading back took 0.23 s a 1,000 tokens and a prefill 0.03 s, so a restart on the
-disk tier made a 2,048-token prompt's first token 8x later, where on this CPU (SmolLM2 in
-float32) a prefill costs far more than a read. ``restore="auto"`` compares the two: the
+in bfloat16, reading back took 0.13-0.16 s a 1,000 tokens (0.23 s with one reader thread) and a
+prefill 0.03 s, so a restart on the disk tier made a 2,048-token prompt's first token 5x later
+(``tools/restore_calibration.py``, docs/gpu.md), where on this CPU (SmolLM2 in float32) a
+prefill of 1,000 tokens costs 13.9 s and a read 0.24 s. ``restore="auto"`` compares the two: the
 prefill's rate measured at load (``prefill_seconds_per_token``), the read's on the pages
 found on disk at load and on every restore since.
 """
@@ -182,15 +183,17 @@ class Tiering:
                         self._missed[(namespace, prefix[: (depth + 1) * ps])] = None
                 self._pending_keys.discard(key)
 
-    def retry(self, tree: RadixTree) -> None:
+    def retry(self, tree: RadixTree) -> bool:
         """Queue again the pages the full queue dropped that the tree still holds, as far
-        as the queue has room (on the generation thread, while idle)."""
+        as the queue has room (on the generation thread, while idle); whether any are left
+        for a later retry."""
         while self._missed and self.disk.has_room():
             (namespace, tokens), _ = self._missed.popitem()
             pages = tree.cached_pages(namespace, tokens)
             if pages is not None:
                 self.save(namespace, tokens, pages, 0)
                 self.pump(everything=True)
+        return bool(self._missed)
 
     def save_tree(self, tree: RadixTree, deadline: float) -> int:
         """Queue every whole page of ``tree`` the disk lacks, then write them all, until

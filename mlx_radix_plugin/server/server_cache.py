@@ -179,6 +179,14 @@ class ServerPromptCache:
                 model_key,
             )
             return None
+        ranks = mx.distributed.init().size()
+        if ranks > 1:
+            log.warning(
+                "disk tier off: under mlx.launch (%d ranks) each rank would need files of its "
+                "own shard and a hit length agreed by all; not built yet",
+                ranks,
+            )
+            return None
         if not disk_dtype_supported(pool.dtype):
             log.warning("disk tier off: K/V of dtype %s is not stored on disk", pool.dtype)
             return None
