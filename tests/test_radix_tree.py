@@ -619,6 +619,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
         whole = len(tokens) // self.PAGE_SIZE
         got = self.tree.cached_pages(ns, tokens)
         assert got == (expected if len(expected) == whole else None)
+        assert self.tree.cached_pages(ns, tokens, whole=False) == expected
         assert self._tree_content(ns) == before
 
     @precondition(lambda self: self.held)

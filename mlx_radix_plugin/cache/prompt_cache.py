@@ -327,14 +327,14 @@ class RadixPromptCache:
 
     def pinned_pages(self, extra: tuple[Hashable, Sequence[int]] | None = None) -> int:
         """Distinct pages the pins hold (pins share pages where their prompts do), with
-        ``extra`` (a model key and tokens) pinned too."""
-        ps = self.pool.page_size
-        pages: set = set()
-        for model_key, tokens in list(self.pins) + ([extra] if extra else []):
-            pages.update(
-                (model_key, tuple(tokens[: (i + 1) * ps])) for i in range(len(tokens) // ps)
-            )
-        return len(pages)
+        ``extra`` (a model key and tokens) pinned too: its pages the tree has, and one a
+        whole page it lacks."""
+        pages = {p for node in self.pins.values() for p in self.tree.path_pages(node)}
+        if extra is None:
+            return len(pages)
+        model_key, tokens = extra
+        have = self.tree.cached_pages(model_key, tokens, whole=False)
+        return len(pages | set(have)) + len(tokens) // self.pool.page_size - len(have)
 
     # -- accounting ----------------------------------------------------------------
 

@@ -212,22 +212,26 @@ class RadixTree:
             node = child
         return node
 
-    def cached_pages(self, namespace: Hashable, tokens: Sequence[int]) -> list[int] | None:
-        """The pages holding ``tokens`` (whole pages), or None if the tree lacks any; changes
-        nothing (no split, no access count)."""
+    def cached_pages(
+        self, namespace: Hashable, tokens: Sequence[int], whole: bool = True
+    ) -> list[int] | None:
+        """The pages holding ``tokens`` (whole pages), or None if the tree lacks any (with
+        ``whole=False``: those of the longest cached start); changes nothing (no split, no
+        access count)."""
         ps = self.page_size
         node, pos, pages = self._root(namespace), 0, []
-        while pos < len(tokens) // ps * ps:
+        end = len(tokens) // ps * ps
+        while pos < end:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None or self.is_tail(child):
-                return None
+                break
             k = self._common_pages(child, tokens, pos)
             pages.extend(child.pages[:k])
-            if k < len(child.pages):
-                return pages if pos + k * ps >= len(tokens) // ps * ps else None
             pos += k * ps
+            if k < len(child.pages):
+                break
             node = child
-        return pages
+        return pages if pos >= end or not whole else None
 
     def is_tail(self, node: TreeNode) -> bool:
         return len(node.tokens) < self.page_size and not node.is_root
@@ -408,10 +412,11 @@ class RadixTree:
                 if self.is_tail(node):
                     continue
                 tokens = before + node.tokens
-                yield key, tokens, self._pages_to(node)
+                yield key, tokens, self.path_pages(node)
                 stack.extend((child, tokens) for child in node.children.values())
 
-    def _pages_to(self, node: TreeNode) -> list[int]:
+    def path_pages(self, node: TreeNode) -> list[int]:
+        """The pages from the root to the end of ``node``."""
         runs = []
         while not node.is_root:
             runs.append(node.pages)
