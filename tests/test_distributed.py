@@ -4,8 +4,6 @@ parallel, with the plugin on every rank, against stock."""
 import concurrent.futures
 import os
 import signal
-import subprocess
-import time
 
 import pytest
 from servers import BIN, NO_EOS, Server, free_port, mlx_lm_server, server_env
@@ -21,22 +19,7 @@ class Launched(Server):
     """``mlx.launch`` and its ranks in a process group of their own: stopping it stops them
     all (rank 0 serves HTTP)."""
 
-    def __enter__(self):
-        self._out = open(self.log, "wb")
-        self.proc = subprocess.Popen(
-            self.cmd, env=self.env, stdout=self._out, stderr=self._out, start_new_session=True
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlx.launch exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                if self.get("/health")[0] == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the ranks did not come up:\n{self.output()}")
+    new_session = True
 
     def __exit__(self, *exc):
         try:

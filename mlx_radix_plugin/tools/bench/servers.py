@@ -39,10 +39,19 @@ class ServerProcess:
         self.cmd, self.env, self.port, self.log, self.cwd = cmd, env, port, log, cwd
         self.proc: subprocess.Popen | None = None
 
+    # Start the process in a session of its own (a launcher and the ranks it starts, which a
+    # subclass then stops together).
+    new_session = False
+
     def __enter__(self) -> ServerProcess:
         self._out = open(self.log, "wb")
         self.proc = subprocess.Popen(
-            self.cmd, env=self.env, cwd=self.cwd, stdout=self._out, stderr=self._out
+            self.cmd,
+            env=self.env,
+            cwd=self.cwd,
+            stdout=self._out,
+            stderr=self._out,
+            start_new_session=self.new_session,
         )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
