@@ -209,7 +209,7 @@ class DiskMachine(RuleBasedStateMachine):
         keys = page_hashes(chain_seed(()), tokens, length, PS)
         for i, key in enumerate(keys):
             parent = keys[i - 1] if i else ""
-            if key not in self.put_pages:
+            if not self.tier.has(key):  # new, or lost (damaged, evicted): written again
                 self.put_pages[key] = (parent, tokens[i * PS : (i + 1) * PS], value + i)
             self.tier.put(key, parent, i, tokens[i * PS : (i + 1) * PS], page(value + i, 1))
         self.tier.flush(10)
@@ -222,7 +222,7 @@ class DiskMachine(RuleBasedStateMachine):
         got = self.tier.read(key, parent, tokens)
         assert got is None or set(got) == {"k.0", "v.0"}
         if got is not None:
-            # The value first written under this hash: a page is never rewritten.
+            # The value last written under this hash: a stored page is never rewritten.
             assert got["k.0"][1][0, 0, 0] == np.float32(self.put_pages[key][2])
 
     @rule()
