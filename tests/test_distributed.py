@@ -1,41 +1,70 @@
 """mlx_lm.server under ``mlx.launch`` (two ranks over the ring backend on 127.0.0.1), tensor
-parallel, with the plugin on every rank, against stock."""
+and pipeline parallel, with the plugin on every rank, against stock: the same answers, hits,
+every rank's pool idle and alike afterwards, also under memory pressure that differs by rank
+with clients hanging up."""
 
 import concurrent.futures
-import os
-import signal
+import json
+import random
+import re
+import sys
+import threading
+import time
 
 import pytest
-from servers import BIN, NO_EOS, Server, free_port, mlx_lm_server, server_env
+from servers import (
+    BIN,
+    NO_EOS,
+    REPO,
+    Server,
+    free_port,
+    mlx_lm_server,
+    run_to_exit,
+    server_env,
+)
+from tiny_models import CORPUS
+
+from mlx_radix_plugin.server.server_cache import RANK_STATS
+from mlx_radix_plugin.tools.bench.servers import Launched
+from mlx_radix_plugin.tools.soak import Spec, send
 
 pytestmark = pytest.mark.slow
 
 SYSTEM = "You are a helpful assistant. Answer the question briefly and politely. " * 2
 QUESTIONS = ["Where is Paris?", "Where is Berlin?", "Where is Rome?", "Where is Oslo?"]
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "logit_bias": NO_EOS}
-
-
-class Launched(Server):
-    """``mlx.launch`` and its ranks in a process group of their own: stopping it stops them
-    all (rank 0 serves HTTP)."""
-
-    new_session = True
-
-    def __exit__(self, *exc):
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._out.close()
+# A request of the pressure test takes seconds; one that takes this long waits on ranks stuck
+# in a collective.
+REQUEST_SECONDS = 90
 
 
 @pytest.fixture
 def launch(model_dirs, tmp_path):
-    def launch(plugin: bool) -> Launched:
+    def launch(
+        arch: str = "llama",
+        plugin: bool = True,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        rank_env: dict[int, dict[str, str]] | None = None,
+        serve: bool = False,
+    ) -> Launched:
+        """Two ranks serving ``arch`` (by ``mlx-radix serve`` if ``serve``); ``rank_env``:
+        variables one rank alone gets."""
         port = free_port()
-        env = server_env(tmp_path / "hf")
         (tmp_path / "hf").mkdir(exist_ok=True)
+        env = server_env(tmp_path / "hf", **(env or {}))
+        server = [str(BIN / "mlx-radix"), "serve"] if serve else [str(BIN / "mlx_lm.server")]
+        if rank_env:  # mlx.launch's --env is every rank's; mlx.launch sets MLX_RANK
+            script = tmp_path / f"rank-env-{port}.sh"
+            lines = [
+                f'[ "$MLX_RANK" = {r} ] && export {k}={v}'
+                for r, kv in rank_env.items()
+                for k, v in kv.items()
+            ]
+            lines.append(f'exec {" ".join(server)} "$@"')
+            script.write_text("\n".join(["#!/bin/sh", *lines]) + "\n")
+            script.chmod(0o755)
+            server = [str(script)]
         cmd = [str(BIN / "mlx.launch"), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring"]
         cmd += ["--starting-port", str(free_port())]
         for key in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "PYTHONPATH") + tuple(
@@ -44,11 +73,17 @@ def launch(model_dirs, tmp_path):
             cmd += ["--env", f"{key}={env[key]}"]
         if plugin:
             cmd += ["--env", "MLX_LM_PLUGINS=radix"]
-        cmd += [str(BIN / "mlx_lm.server"), "--model", str(model_dirs["llama"])]
-        cmd += ["--port", str(port)]
+        cmd += [*server, "--model", str(model_dirs[arch]), "--port", str(port), *args]
         return Launched(cmd, env, port, tmp_path / f"launch-{port}.log")
 
     return launch
+
+
+def single(model_dirs, tmp_path, arch: str = "llama") -> Server:
+    """Stock mlx_lm.server in one process."""
+    port = free_port()
+    cmd = mlx_lm_server("--model", str(model_dirs[arch]), "--port", str(port))
+    return Server(cmd, server_env(tmp_path / "hf1"), port, tmp_path / f"stock-{port}.log")
 
 
 def answers(server: Server) -> list[tuple[str, int]]:
@@ -66,20 +101,162 @@ def answers(server: Server) -> list[tuple[str, int]]:
     return out
 
 
+def idle_ranks(server: Launched) -> tuple[dict, list[dict]]:
+    """Rank 0's stats and every rank's ``RANK_STATS``, once the ranks have reported (while
+    idle) every request rank 0 has seen."""
+    deadline = time.monotonic() + 60
+    while True:
+        stats = server.stats()
+        reported = stats.get("ranks") or []
+        if reported and all(r[k] == stats[k] for r in reported for k in ("hits", "misses")):
+            if all(r["requests_holding_pages"] == 0 for r in reported):
+                return stats, reported
+        assert time.monotonic() < deadline, f"the ranks never reported idle: {reported}"
+        time.sleep(0.2)
+
+
+def assert_idle_and_alike(reported: list[dict]) -> None:
+    """Each rank's pool is idle (nothing locked or held), and every rank's is the same."""
+    assert len(reported) == 2
+    for r in reported:
+        assert r["pages_locked"] == r["tree_locks"] == r["requests_holding_pages"] == 0, r
+        assert r["page_refs"] == r["pages_cached"], r
+    assert reported[0] == reported[1]
+    assert set(reported[0]) == set(RANK_STATS)
+
+
+AGREE = """
+import json, sys
+import mlx.core as mx
+from mlx_radix_plugin.memory import ranks
+r = mx.distributed.init().rank()
+print(json.dumps([
+    ranks.size(), ranks.least([5 + r, 10 - r]), ranks.all_agree(r == 0), ranks.all_agree(True),
+    ranks.same(b"x"), ranks.same(bytes([r])), ranks.gather([r, 7]),
+]), flush=True)
+"""
+
+
+def test_ranks_agree(tmp_path):
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE)
+    cmd = [str(BIN / "mlx.launch"), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring"]
+    cmd += ["--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}"]
+    out = run_to_exit([*cmd, "--", sys.executable, str(script)], server_env(tmp_path), 120)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
+    expected = [2, [5, 9], False, True, True, False, [[0, 7], [1, 7]]]
+    assert lines == [expected, expected]
+
+
 def test_tensor_parallel_ranks_answer_as_stock_and_hit(launch, model_dirs, tmp_path):
-    port = free_port()
-    cmd = mlx_lm_server("--model", str(model_dirs["llama"]), "--port", str(port))
-    with Server(cmd, server_env(tmp_path / "hf1"), port, tmp_path / "stock.log") as stock:
+    with single(model_dirs, tmp_path) as stock:
         alone = [text for text, _ in answers(stock)]
     with launch(plugin=False) as stock:
         distributed = [text for text, _ in answers(stock)]
-    with launch(plugin=True) as radix:
+    with launch() as radix:
         got = answers(radix)
-        stats = radix.stats()
+        stats, reported = idle_ranks(radix)
+        with pytest.raises(RuntimeError, match="501 .*under mlx.launch .*radix.pin"):
+            radix.post("/v1/cache/pin", {"prompt": SYSTEM})  # only rank 0 would hear it
         log = radix.output()
     assert [text for text, _ in got] == distributed == alone
     assert sum(cached for _, cached in got[2:]) > 0  # the system prompt, from the pool
     assert log.count("radix KV pool: up to") == 2  # each rank built its own pool
     assert stats["hits"] > 0 and stats["fallback"] is None
-    assert stats["pages_locked"] == stats["tree_locks"] == stats["requests_holding_pages"] == 0
-    assert stats["page_refs"] == stats["pages_cached"]
+    assert_idle_and_alike(reported)
+    assert reported[0]["hits"] == stats["hits"] > 0
+
+
+def test_pipeline_ranks_answer_as_stock_and_hit(launch, model_dirs, tmp_path):
+    # qwen2 is one of the model types mlx-lm pipelines (PipelineMixin): a layer per rank.
+    with single(model_dirs, tmp_path, "qwen2") as stock:
+        alone = [text for text, _ in answers(stock)]
+    with launch("qwen2", plugin=False, args=("--pipeline",)) as stock:
+        distributed = [text for text, _ in answers(stock)]
+    with launch("qwen2", args=("--pipeline",)) as radix:
+        got = answers(radix)
+        stats, reported = idle_ranks(radix)
+        log = radix.output()
+    assert [text for text, _ in got] == distributed == alone
+    assert sum(cached for _, cached in got[2:]) > 0
+    assert stats["fallback"] is None and "radix cache off" not in log
+    assert_idle_and_alike(reported)
+
+
+@pytest.mark.parametrize(
+    "arch, args", [("qwen3_5", ()), ("llama", ("--shared-prefix", "on"))], ids=["hybrid", "shared"]
+)
+def test_features_under_tensor_parallel(launch, model_dirs, tmp_path, arch, args):
+    """A hybrid model's recurrent-state snapshots, and decode reading shared prefixes once;
+    served by ``mlx-radix serve``."""
+    with single(model_dirs, tmp_path, arch) as stock:
+        alone = [text for text, _ in answers(stock)]
+    with launch(arch, args=args, serve=True) as radix:
+        got = answers(radix)
+        stats, reported = idle_ranks(radix)
+    assert [text for text, _ in got] == alone
+    assert sum(cached for _, cached in got[2:]) > 0
+    assert_idle_and_alike(reported)
+    if arch == "qwen3_5":
+        assert stats["snapshot_hits"] > 0 and reported[0]["snapshots"] > 0
+    else:
+        assert stats["decode_steps_shared"] > 0
+
+
+def pressure_specs(seed: int = 0) -> list[Spec]:
+    """Prompts on 8 system prompts of about 1,500 tokens, 4 questions each, twice over (about
+    100,000 prompt tokens, 50 times a 2,048-token pool); one streamed request in four hangs
+    up after its first token."""
+    rng = random.Random(seed)
+    words = sorted(set(re.findall(r"[a-z]+", " ".join(CORPUS).lower())))
+    systems = [" ".join(rng.choice(words) for _ in range(1100)) for _ in range(8)]
+    specs = []
+    for _ in range(2):
+        for system in systems:
+            for q in QUESTIONS:
+                stream = rng.random() < 0.5
+                specs.append(Spec(False, system, q, 8, stream, stream and rng.random() < 0.5))
+    return specs
+
+
+def run_specs(server: Server, specs: list[Spec]) -> list:
+    """``specs`` four at a time; after a request that fails (ranks out of step hang in a
+    collective: it times out), the rest are not sent (None)."""
+    failed = threading.Event()
+
+    def one(spec: Spec):
+        if failed.is_set():
+            return None
+        outcome = send(server.port, spec, NO_EOS, timeout=REQUEST_SECONDS)
+        if not outcome.ok:
+            failed.set()
+        return outcome
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, specs))
+
+
+def test_pressure_different_device_memory_and_hang_ups(launch, model_dirs, tmp_path):
+    """Rank 1 sees almost no device memory, rank 0 plenty: both ranks still size the same
+    pool (the least), fill and evict it alike while clients hang up, and answer as stock."""
+    specs = pressure_specs()
+    answered = [s for s in specs if not s.disconnect]
+    with single(model_dirs, tmp_path) as stock:
+        expected = [o.text for o in run_specs(stock, answered)]
+    memory = {0: {"MLX_RADIX_DEVICE_MEMORY": str(8 << 30)}, 1: {"MLX_RADIX_DEVICE_MEMORY": "1"}}
+    with launch(env={"MLX_RADIX_POOL_TOKENS": "0"}, rank_env=memory) as radix:
+        outcomes = run_specs(radix, specs)
+        stats, reported = idle_ranks(radix)
+        log = radix.output()
+    assert all(o is not None and o.ok for o in outcomes), [o and o.error for o in outcomes]
+    got = {id(o.spec): o for o in outcomes}
+    assert [got[id(s)].text for s in answered] == expected
+    assert sum(o.disconnected for o in outcomes) > 0
+    pools = re.findall(r"radix KV pool: up to (\d+) pages x (\d+) tokens", log)
+    assert len(pools) == 2 and pools[0] == pools[1]  # rank 0 alone would take gigabytes
+    assert int(pools[0][0]) * int(pools[0][1]) == 2048
+    assert "leave no room for a KV pool" in log  # rank 1's plan
+    assert_idle_and_alike(reported)
+    assert reported[0]["evictions"] > 0 and reported[0]["pages_max"] == int(pools[0][0])
+    assert stats["prompt_tokens"] > 40 * 2048

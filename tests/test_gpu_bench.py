@@ -8,6 +8,7 @@ from mlx_lm import load
 
 from mlx_radix_plugin.models.random_model import TINY, build
 from mlx_radix_plugin.tools import gpu_bench
+from mlx_radix_plugin.tools.bench.servers import Launched
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -22,6 +23,47 @@ def test_decode_step_bytes_counts_every_weight_read_and_the_kv(tmp_path, tied):
     assert step["weights"] == (total if tied else total - embedding)
     # K and V, 2 layers x 2 KV heads x head dim 16, float32, 100 tokens.
     assert step["kv"] == 2 * 2 * 2 * 16 * 4 * 100
+
+
+def test_a_rank_reads_its_share_of_the_projections_and_kv_and_all_the_rest(tmp_path):
+    path = build("smollm2-135m", tmp_path / "m", **TINY)
+    whole = gpu_bench.decode_step_bytes(path, context=100)
+    rank = gpu_bench.decode_step_bytes(path, context=100, ranks=2)
+    # Per layer, float32: q and o 64 x 64, k and v 32 x 64, gate, up and down 128 x 64; two
+    # layers. Each rank reads half of them; embedding and norms whole.
+    projections = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64) * 4
+    assert rank["weights"] == whole["weights"] - projections // 2
+    # One of the two KV heads on each rank.
+    assert rank["kv"] == whole["kv"] // 2 == 2 * 2 * 1 * 16 * 4 * 100
+
+
+def test_kv_heads_that_ranks_cannot_split_are_named(capsys):
+    assert gpu_bench.parse_args(["--shape", "tiny", "--ranks", "2"]).ranks == 2
+    with pytest.raises(SystemExit) as e:
+        gpu_bench.parse_args(["--shape", "tiny", "--shape", "smollm2-135m", "--ranks", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ranks 2: shape smollm2-135m has 3 KV heads" in err
+
+
+def test_launch_command_gives_every_rank_the_server_environment_and_own_ports():
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": "/c", "PYTHONPATH": "/a:/b", "HOME": "/h"}
+    env.update(MLX_RADIX_POOL_TOKENS="0", NCCL_NVLS_ENABLE="0")
+    server = ["python", "-m", "mlx_lm", "server", "--model", "/m", "--port", "9000"]
+    cmd = gpu_bench.mlx_launch(server, env, ranks=2, backend="nccl", port=9001)
+    assert cmd[0].endswith("mlx.launch") and cmd[-len(server) :] == server
+    options = " ".join(cmd[1 : -len(server)])
+    assert "--hosts 127.0.0.1 -n 2 --backend nccl" in options
+    # Two servers side by side must not meet on mlx.launch's fixed default NCCL port.
+    assert "--starting-port 9001 --nccl-port 9001" in options
+    carried = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--env"]
+    assert carried == [
+        "HF_HUB_OFFLINE=1",
+        "HF_HUB_CACHE=/c",
+        "PYTHONPATH=/a:/b",
+        "MLX_RADIX_POOL_TOKENS=0",
+        "NCCL_NVLS_ENABLE=0",
+    ]
 
 
 def test_bad_decode_shared_grid_is_named(capsys):
@@ -122,3 +164,63 @@ def test_decode_shared_alone_runs_only_that_workload(tmp_path, monkeypatch):
     point = shape["decode_shared"]["2x48"]
     assert point["requests"] == 4 and point["greedy_match"] == 4
     assert len(point["stock"]["by_round"]) == len(point["radix"]["by_round"]) == 2
+
+
+@pytest.mark.slow
+def test_two_ranks_under_mlx_launch_serve_both_and_the_plugin_hits(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    logs: dict[str, list[str]] = {}
+
+    class Recorded(Launched):
+        def __exit__(self, *exc):
+            super().__exit__(*exc)
+            logs.setdefault(self.log.stem, []).append(self.output())
+
+    monkeypatch.setattr(gpu_bench, "Launched", Recorded)
+    out = tmp_path / "gpu.json"
+    argv = [
+        "--shape", "tiny", "--dtype", "float32", "--ranks", "2", "--backend", "ring",
+        "--concurrency", "1,2", "--max-tokens", "6", "--rounds", "1", "--cached-prefix", "64",
+        "--cached-requests", "2", "--question", "16", "--burst", "3", "--burst-prefix", "48",
+        "--bandwidth-mib", "8", "--pool-tokens", "4096", "--json", str(out),
+        "--decode-shared", "2x48", "--shared-max-tokens", "4",
+    ]  # fmt: skip
+    assert gpu_bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["ranks"] == 2 and report["backend"] == "ring"
+    (shape,) = report["shapes"]
+    assert "error" not in shape
+
+    # Each server ran under mlx.launch (side by side, then alone for decode-shared), and each
+    # rank of the plugin's built its own pool.
+    assert len(logs["stock"]) == len(logs["radix"]) == 2
+    assert all(log.count("radix KV pool: up to") == 2 for log in logs["radix"])
+
+    for b, d in shape["decode"].items():
+        assert d["requests"] == int(b)
+        assert d["stock"]["tokens_per_s"] > 0 and d["radix"]["tokens_per_s"] > 0
+    # Both tensor-parallel servers decode one request alike.
+    assert shape["decode"]["1"]["greedy_match"] == 1
+    shared = shape["decode_shared"]["2x48"]
+    assert shared["stock"]["decode_tokens_per_s"] > 0 and shared["radix"]["decode_tokens_per_s"] > 0
+
+    # Where requests share a prefix, the plugin's pool served it.
+    assert shape["cached_prefix"]["radix"]["cached_tokens_mean"] >= 64
+    burst = shape["burst"]
+    assert burst["radix"]["prompt_tokens"] == 3 * (48 + 16)
+    assert burst["radix"]["prompt_tokens_computed"] < 3 * (48 + 16)
+    assert shape["radix_stats"]["hits"] > 0 and shape["radix_stats"]["fallback"] is None
+
+    # The floor is a rank's: half the projections and K/V, so below the whole model's.
+    floor = shape["floor"]
+    assert floor["ranks"] == 2 and "in_process_over_floor" not in floor
+    assert (
+        floor["weight_bytes"]
+        < gpu_bench.decode_step_bytes(gpu_bench.build("smollm2-135m", tmp_path / "m", **TINY), 38)[
+            "weights"
+        ]
+    )
+
+    table = capsys.readouterr().out
+    assert "Tensor parallel: 2 ranks under mlx.launch, ring backend." in table
+    assert "| tiny | decode, 1 request: ms/token over a rank's floor of" in table

@@ -208,6 +208,9 @@ def build_model(arch: str, path: Path, seed: int = 0, **config_overrides) -> Pat
         for k, v in tree_flatten(model.parameters())
     }
     mx.save_safetensors(str(path / "model.safetensors"), weights)
+    # mlx-lm's distributed loaders (``sharded_load``, ``--pipeline``) read the index.
+    index = {"weight_map": {name: "model.safetensors" for name in weights}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
     (path / "config.json").write_text(json.dumps(config))
     build_tokenizer(path)
     return path

@@ -244,8 +244,11 @@ def _response_generator_class(stock, budget):
             # Stock decodes for 0.5 s between looks at the queue, so a request arriving
             # mid-batch waited up to that long before it was even tokenized (on an H200,
             # 1B x 8 requests: the late ones' first token came 430-520 ms after the others').
-            # Distributed ranks keep stock's budget: it is synchronised across them, and a
-            # rank-local look at the queue would put them out of step.
+            # Distributed ranks keep stock's budget. There it counts steps, not seconds, and
+            # resets the count from an all_sum of every rank's time, so every rank leaves the
+            # decode loop after the same step and shares the queue (a collective) together.
+            # A look at the queue is rank 0's alone (only it hears HTTP): rank 0 would leave
+            # the loop to share a request while the others ran the next step's collectives.
             if not self._is_distributed:
                 self._time_budget = budget(lambda: not self.requests.empty())
             # Set before any request can arrive: the HTTP server starts after this.

@@ -15,6 +15,12 @@ class OffsetCache(_BaseCache):
     either). Whoever owns the K/V advances it.
     """
 
+    # A pipelined model (``--pipeline``) ties its send to the last layer's cache,
+    # ``cache[-1].keys = mx.depends(cache[-1].keys, h)``; holding no K/V, this keeps what it
+    # is given. What the step evaluates depends on the send already (the pipeline's
+    # all_gather of ``h``).
+    keys: mx.array = mx.zeros((0,))
+
     def __init__(self, offset: int | mx.array = 0, window: int | None = None):
         self.offset = offset
         self.window = window

@@ -87,6 +87,18 @@ class PoolBackedCache(OffsetTrim):
         return self.table.pool.read(self.layer, self.table.slots(start, self.offset))
 
     @property
+    def keys(self) -> mx.array | None:
+        """The private copy's keys: a pipelined model (``--pipeline``) ties its send to the
+        last layer's cache, ``cache[-1].keys = mx.depends(cache[-1].keys, h)``, and
+        evaluating ``state`` then runs it."""
+        return self._own.keys if self._own is not None else None
+
+    @keys.setter
+    def keys(self, v: mx.array) -> None:
+        if self._own is not None:
+            self._own.keys = v
+
+    @property
     def state(self):
         """The K/V this layer can still attend to, as contiguous arrays (a copy)."""
         if self.offset == 0:

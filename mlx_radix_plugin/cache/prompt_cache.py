@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial, wraps
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from ..memory import ranks
 from ..memory.allocator import OutOfPages
 from ..memory.disk_tier import DISK_STATS
 from ..memory.pool import KVPool, page_slots
@@ -277,6 +278,10 @@ class RadixPromptCache:
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         if n_bytes is not None:
             keep = max(0, n_bytes) // self.pool.bytes_per_page
+            # mlx_lm.server passes each rank's own byte count (``--prompt-cache-bytes`` less
+            # what its batch holds), and a pipeline rank's page holds its own layers: the
+            # ranks of mlx.launch keep the fewest pages any of them would, and evict alike.
+            (keep,) = ranks.least([keep])
             if self.tree.total_pages > keep:
                 self._evict(self.tree.total_pages - keep)
         if n_sequences is not None:
@@ -339,11 +344,10 @@ class RadixPromptCache:
     # -- accounting ----------------------------------------------------------------
 
     @_locked
-    def stats(self) -> dict[str, int]:
-        return {
-            **{key: read(self) for key, read in POOL_STATS.items()},
-            "page_size": self.pool.page_size,
-        }
+    def stats(self, keys: Iterable[str] | None = None) -> dict[str, int]:
+        """``POOL_STATS`` (only ``keys`` if given) and the page size."""
+        keys = POOL_STATS if keys is None else keys
+        return {**{key: POOL_STATS[key](self) for key in keys}, "page_size": self.pool.page_size}
 
     # -- internals -----------------------------------------------------------------
 

@@ -29,6 +29,7 @@ touch (``slots.py``).
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import weakref
@@ -42,6 +43,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from . import ranks
 from .allocator import PageAllocator
 from .budget import (
     DeviceMemory,
@@ -81,9 +83,13 @@ class _ProbeCache:
     def __init__(self):
         self.offset = 0
         self.seen = None
+        # A pipelined model (mlx-lm's PipelineMixin, ``--pipeline``) ties its send to the
+        # last layer's cache: ``cache[-1].keys = mx.depends(cache[-1].keys, h)``.
+        self.keys = None
 
     def update_and_fetch(self, keys, values):
         self.seen = (keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        self.keys = keys
         return keys, values
 
     def make_mask(self, *args, **kwargs):
@@ -168,6 +174,20 @@ def layer_groups(specs: list[LayerSpec], slots: int, max_elements: int) -> list[
     return groups
 
 
+def recurrent_row_bytes(model: nn.Module) -> int:
+    """Bytes of one sequence's recurrent state, what a snapshot holds (``Snapshot``), read
+    off a lazy forward pass that is never evaluated."""
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]], dtype=mx.int32), cache=caches)
+    return sum(
+        a.nbytes // a.shape[0]
+        for c in caches
+        if type(c) is ArraysCache
+        for a in c.cache
+        if a is not None
+    )
+
+
 class KVPool:
     def __init__(
         self,
@@ -221,6 +241,7 @@ class KVPool:
         self.layout: tuple[int | None, ...] = tuple(range(len(specs)))
         self.state_sizes: dict[int, int] = {}  # recurrent entry -> its ArraysCache's arrays
         self.snapshot_budget = 0  # bytes for the recurrent-state snapshots (snapshots.py)
+        self.snapshot_row_bytes = 0  # one snapshot's (recurrent_row_bytes)
         # What holds K/V outside the pool (batch buffers, private copies): objects with a
         # ``buffer_nbytes``, counted in ``buffer_bytes`` while they live.
         self._buffers: weakref.WeakSet = weakref.WeakSet()
@@ -280,6 +301,30 @@ class KVPool:
         pool.layout = layout
         pool.state_sizes = state_sizes
         pool.snapshot_budget = (snapshot_bytes or 0) if state_sizes else 0
+        pool.snapshot_row_bytes = recurrent_row_bytes(model) if state_sizes else 0
+        return pool
+
+    def agreed(self) -> KVPool:
+        """This pool as every rank of ``mlx.launch`` has it: the fewest pages, pages a chunk
+        and snapshots of any rank (each rank planned from its own device and shard), so that
+        pages run out, chunks come and evictions fall alike everywhere (memory/ranks.py). A
+        collective; call it before any chunk is online. The pool itself in one process."""
+        if ranks.size() == 1:
+            return self
+        # Snapshots are agreed in number: a rank's are all one size, its shard's state.
+        each = self.snapshot_row_bytes
+        pages, chunk, snapshots = ranks.least(
+            [
+                self.max_pages,
+                self.allocator.chunk_pages,
+                self.snapshot_budget // each if each else 0,
+            ]
+        )
+        pool = type(self)(
+            self.specs, pages // chunk * chunk, self.page_size, self.dtype, chunk_pages=chunk
+        )
+        pool.plan, pool.layout, pool.state_sizes = self.plan, self.layout, self.state_sizes
+        pool.snapshot_row_bytes, pool.snapshot_budget = each, snapshots * each
         return pool
 
     # -- accounting --------------------------------------------------------------
@@ -351,7 +396,9 @@ class KVPool:
         """Bring the lowest offline chunk online: one chunk's allocation, no other array
         touched (a new array, not a larger copy of the old ones)."""
         c = self.allocator.next_chunk
-        if c is None or not self._room_for_chunk():
+        # The ranks of mlx.launch hold K/V of different sizes outside the pool (their own
+        # shards): a chunk comes on every rank or on none.
+        if c is None or not ranks.all_agree(self._room_for_chunk()):
             return False
         keys, values = [], []
         for layers in self.groups:
@@ -372,12 +419,18 @@ class KVPool:
         with self.lock:
             self.run_deferred()
             now = time.monotonic() if now is None else now
-            freed = 0
+            empty = []
             for c in self.allocator.online_chunks[1:]:
                 if self.allocator.chunk_used(c):
                     self._empty_since.pop(c, None)
-                    continue
-                if now - self._empty_since.setdefault(c, now) >= idle_seconds:
+                else:
+                    empty.append(c)
+            due = [now - self._empty_since.setdefault(c, now) >= idle_seconds for c in empty]
+            if empty:  # the same chunks on every rank; each rank's clock says when
+                due = ranks.least(due)
+            freed = 0
+            for c, go in zip(empty, due):
+                if go:
                     self.allocator.remove_chunk(c)
                     self._chunks[c] = None
                     del self._empty_since[c]
@@ -402,6 +455,14 @@ class KVPool:
         the pool takes beyond its reserve), then evicted ones."""
         with self.lock:
             self.run_deferred()
+            if n > self.allocator.num_free and ranks.size() > 1:
+                # A page table that only the garbage collector frees (one in a reference
+                # cycle) comes back at a different time on each rank of mlx.launch; a
+                # decision to grow or evict is made on every page that is really free, so
+                # it is the same everywhere. A rank that has enough pages without it would
+                # have them after it too.
+                gc.collect()
+                self.run_deferred()
             while n > self.allocator.num_free and self._grow():
                 pass
             short = n - self.allocator.num_free

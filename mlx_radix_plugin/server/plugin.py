@@ -19,6 +19,7 @@ from ..cache.prompt_cache import idle_stats
 from ..config import Config, ConfigError, load_config
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
+from ..memory import ranks
 from . import metrics, mlx_lm_internals
 from .pins import ROUTE_WAIT_SECONDS, prompt_tokens
 from .server_cache import ServerPromptCache, mlx_memory_stats
@@ -193,6 +194,14 @@ class RadixPlugin:
         may evict, and mlx_lm.server has no authentication)."""
         if not is_loopback_address(request.client):
             return RouteResponse(403, {"error": "pins are changed from this machine only"})
+        if ranks.size() > 1:
+            # A pin changes what every rank may evict, and only rank 0 hears the request.
+            error = (
+                f"pins cannot change at run time under mlx.launch ({ranks.size()} ranks): "
+                "HTTP reaches rank 0 only; list the prompt files in radix.pin, which every "
+                "rank pins at model load"
+            )
+            return RouteResponse(501, {"error": error})
         cache = self.cache
         if cache is None or cache.tokenizer is None:
             return RouteResponse(409, {"error": "no model with a radix pool is loaded yet"})

@@ -21,11 +21,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..cache.prompt_cache import RadixPromptCache, idle_stats
 from ..cache.tiering import Tiering, disk_dtype_supported, prefill_seconds_per_token
 from ..config import Config, cache_dir
+from ..memory import ranks
 from ..memory.budget import buffer_cache_limit, device_memory
 from ..memory.disk_tier import FORMAT, DiskTier, DiskTierOff
 from ..memory.fingerprint import weights_fingerprint
@@ -36,6 +38,25 @@ log = logging.getLogger("mlx_radix")
 
 # Most of the pool's pages that pins may hold: the rest stays for requests.
 PIN_SHARE = 0.5
+
+# What each rank of mlx.launch reports through rank 0's stats (``ranks``): the pool's size,
+# what its tree holds, what requests hold, and what it evicted and hit. All in pages,
+# tokens and counts, which agree across ranks when the ranks decide alike.
+RANK_STATS = (
+    "pages_max",
+    "pages_total",
+    "pages_cached",
+    "page_refs",
+    "pages_locked",
+    "tree_locks",
+    "requests_holding_pages",
+    "evictions",
+    "hits",
+    "misses",
+    "cached_tokens",
+    "snapshots",
+    "snapshot_evictions",
+)
 
 NOT_LOADED = "no model loaded yet"
 
@@ -55,6 +76,7 @@ class ServerPromptCache:
         self.model = self.tokenizer = None
         self.prefill_step = 2048
         self.pins = Pins()  # pin requests for the generation thread
+        self.rank_stats: list[dict] | None = None  # under mlx.launch, as of the last idle
 
     def _fallback_reason(self, draft_model, cli_args) -> str | None:
         if getattr(cli_args, "kv_bits", None) is not None:
@@ -76,8 +98,8 @@ class ServerPromptCache:
         # its pool, or the fallback and its reason.
         self.model_key = None
         reason = self._fallback_reason(draft_model, cli_args)
+        cfg, pool = self.config, None
         if reason is None:
-            cfg = self.config
             try:
                 pool = KVPool.for_model(
                     model,
@@ -94,36 +116,41 @@ class ServerPromptCache:
             except Exception as e:  # noqa: BLE001 - the server goes on, uncached, and says why
                 log.exception("radix KV pool for %s could not be built", model_key)
                 reason = f"the KV pool could not be built: {type(e).__name__}: {e}"
-            else:
-                self.radix = RadixPromptCache(pool, eviction=cfg["radix.eviction"])
-                if cfg["radix.disk.enabled"]:
-                    self.radix.tiering = self._disk_tier(pool, model, model_key, cli_args)
-                plan = pool.plan
-                if plan.warning:
-                    log.warning("radix KV pool: %s", plan.warning)
+        # Under mlx.launch every rank serves from a pool or none does (one that prefills what
+        # the others hit would run other collectives), and the pools are alike (``agreed``).
+        if not ranks.all_agree(reason is None) and reason is None:
+            reason = "another rank of mlx.launch could not build its KV pool (see its log)"
+        if reason is None:
+            pool = pool.agreed()
+            self.radix = RadixPromptCache(pool, eviction=cfg["radix.eviction"])
+            if cfg["radix.disk.enabled"]:
+                self.radix.tiering = self._disk_tier(pool, model, model_key, cli_args)
+            plan = pool.plan
+            if plan.warning:
+                log.warning("radix KV pool: %s", plan.warning)
+            log.info(
+                "radix KV pool: up to %d pages x %d tokens (%.1f MiB, %s), allocated in "
+                "chunks of %d pages as needed; %.2f GiB usable (%s), model %.2f GiB, "
+                "working memory %.2f GiB, margin %.2f GiB",
+                pool.max_pages,
+                pool.page_size,
+                pool.max_nbytes / 2**20,
+                pool.dtype,
+                pool.allocator.chunk_pages,
+                plan.usable_bytes / 2**30,
+                plan.source,
+                plan.model_bytes / 2**30,
+                plan.working_bytes / 2**30,
+                plan.margin_bytes / 2**30,
+            )
+            if pool.recurrent:
                 log.info(
-                    "radix KV pool: up to %d pages x %d tokens (%.1f MiB, %s), allocated in "
-                    "chunks of %d pages as needed; %.2f GiB usable (%s), model %.2f GiB, "
-                    "working memory %.2f GiB, margin %.2f GiB",
-                    pool.max_pages,
-                    pool.page_size,
-                    pool.max_nbytes / 2**20,
-                    pool.dtype,
-                    pool.allocator.chunk_pages,
-                    plan.usable_bytes / 2**30,
-                    plan.source,
-                    plan.model_bytes / 2**30,
-                    plan.working_bytes / 2**30,
-                    plan.margin_bytes / 2**30,
+                    "radix KV pool: hybrid model, %d of %d layers recurrent; their state "
+                    "is kept in snapshots, up to %.1f MiB",
+                    len(pool.recurrent),
+                    len(pool.layout),
+                    pool.snapshot_budget / 2**20,
                 )
-                if pool.recurrent:
-                    log.info(
-                        "radix KV pool: hybrid model, %d of %d layers recurrent; their state "
-                        "is kept in snapshots, up to %.1f MiB",
-                        len(pool.recurrent),
-                        len(pool.layout),
-                        pool.snapshot_budget / 2**20,
-                    )
         self.fallback = reason
         if reason is not None:
             log.warning("radix cache off for %s, stock prompt cache instead: %s", model_key, reason)
@@ -133,7 +160,18 @@ class ServerPromptCache:
         self.prefill_step = getattr(cli_args, "prefill_step_size", None) or 2048
         for path in self.config["radix.pin"] if self.radix is not None else ():
             try:
-                pinned = self.pin(read_pin_file(tokenizer, path), model_key)
+                tokens, error = read_pin_file(tokenizer, path), None
+            except PinError as e:
+                tokens, error = [], e
+            # Each rank reads its own host's file, and a prefill is a collective: every rank
+            # pins the same tokens, or none does.
+            same = ranks.same(np.asarray(tokens, dtype=np.int64).tobytes())
+            if error is None and not same:
+                error = PinError(f"{path} is not the same on every rank of mlx.launch")
+            try:
+                if error is not None:
+                    raise error
+                pinned = self.pin(tokens, model_key)
             except PinError as e:
                 log.warning("radix.pin: %s; not pinned", e)
             else:
@@ -179,12 +217,11 @@ class ServerPromptCache:
                 model_key,
             )
             return None
-        ranks = mx.distributed.init().size()
-        if ranks > 1:
+        if ranks.size() > 1:
             log.warning(
                 "disk tier off: under mlx.launch (%d ranks) each rank would need files of its "
                 "own shard and a hit length agreed by all; not built yet",
-                ranks,
+                ranks.size(),
             )
             return None
         if not disk_dtype_supported(pool.dtype):
@@ -277,7 +314,8 @@ class ServerPromptCache:
             mx.set_wired_limit(min(most, model_nbytes(model) + pool_bytes + limit))
 
     def idle(self) -> None:
-        """Nothing is being generated: give back the pool's chunks that stayed empty."""
+        """Nothing is being generated: give back the pool's chunks that stayed empty (and,
+        under mlx.launch, gather every rank's ``RANK_STATS``)."""
         radix = self.radix
         if radix is not None:
             radix.pool.trim()
@@ -286,6 +324,12 @@ class ServerPromptCache:
                 with radix.pool.lock:
                     radix.tiering.retry(radix.tree)
         self.pins.run_jobs()
+        if ranks.size() > 1:
+            # Every rank is idle at once (mlx_lm.server shares rank 0's empty queue), and has
+            # a pool or not alike (bind).
+            stats = radix.stats(RANK_STATS) if radix is not None else {}
+            gathered = ranks.gather([stats.get(k) or 0 for k in RANK_STATS])
+            self.rank_stats = [dict(zip(RANK_STATS, values)) for values in gathered]
 
     @property
     def active(self) -> Any:
@@ -331,6 +375,8 @@ class ServerPromptCache:
         plan = radix.pool.plan if radix is not None else None
         stats["memory_plan"] = plan.as_dict() if plan is not None else None
         stats.update(mlx_memory_stats(self.buffer_cache_limit))
+        if self.rank_stats is not None:
+            stats["ranks"] = self.rank_stats
         return stats
 
 

@@ -8,8 +8,13 @@ with each server alone on the device, decode of many requests on one cached pref
 Decode at one request is set against the memory-bandwidth floor: the bytes one step
 reads (weights + K/V) over the copy bandwidth measured on the same device.
 
+With ``--ranks N`` both servers run tensor parallel under ``mlx.launch``, N ranks on
+127.0.0.1 (rank r on GPU r with NCCL; the ring backend on a CPU), rank 0 serving HTTP; the
+floor is then a rank's: its share of the sharded weights and K/V.
+
     python -m mlx_radix_plugin.tools.gpu_bench --json gpu.json
     python -m mlx_radix_plugin.tools.gpu_bench --shape tiny --dtype float32   # CPU smoke run
+    python -m mlx_radix_plugin.tools.gpu_bench --ranks 2 --backend nccl --shape llama-3-8b
 
 ``python -m mlx_radix_plugin.tools.gpu_bench serve-radix --model PATH ...`` is the plugin's
 server as the benchmark starts it (see ``serve_radix``).
@@ -21,6 +26,8 @@ import argparse
 import contextlib
 import gc
 import json
+import os
+import shutil
 import statistics
 import struct
 import subprocess
@@ -35,12 +42,17 @@ import mlx.core as mx
 
 from ..models.random_model import SHAPES, TINY, build, words
 from .bench.command import NO_EOS, Requests, server_env
-from .bench.servers import ServerProcess, free_port
+from .bench.servers import Launched, ServerProcess, free_port, free_ports
 from .decode_calibration import parse_grid
 
 DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
 SERVERS = ("stock", "radix")
 WORKLOADS = ("decode", "decode-shared", "cached-prefix", "burst")
+# What a server needs in its environment (as server_env sets it), handed to every rank by
+# mlx.launch's --env, with every variable of RANK_ENV_PREFIXES: the plugin's settings, and
+# NCCL's (a host whose GPUs others share must keep NVLink multicast off: NCCL_NVLS_ENABLE=0).
+RANK_ENV = ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "PYTHONPATH", "LD_PRELOAD")
+RANK_ENV_PREFIXES = ("MLX_RADIX_", "NCCL_")
 
 
 def progress(message: str) -> None:
@@ -93,20 +105,27 @@ def safetensors_bytes(path: Path) -> dict[str, int]:
     }
 
 
-def decode_step_bytes(model_dir: Path, context: int) -> dict[str, int]:
-    """What one decode step of one request must read from memory at ``context`` tokens.
+def decode_step_bytes(model_dir: Path, context: int, ranks: int = 1) -> dict[str, int]:
+    """What one decode step of one request must read from memory at ``context`` tokens, on
+    each of ``ranks`` tensor-parallel ranks.
 
     Every weight matrix is read once, except an untied input embedding, of which a step
-    reads one row; K/V is read for every cached token of every layer.
+    reads one row; K/V is read for every cached token of every layer. mlx-lm's
+    tensor-parallel Llama splits every attention and MLP projection, and so the K/V heads,
+    over the ranks; embeddings, norms and the output head are whole on each rank.
     """
     config = json.loads((model_dir / "config.json").read_text())
     tensors = safetensors_bytes(model_dir / "model.safetensors")
-    weights = sum(tensors.values())
+    weights = sum(
+        size // ranks if ".self_attn." in name or ".mlp." in name else size
+        for name, size in tensors.items()
+    )
     if "lm_head.weight" in tensors:
         weights -= tensors["model.embed_tokens.weight"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     itemsize = tensors["model.norm.weight"] // config["hidden_size"]
-    kv = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * itemsize
+    kv_heads = config["num_key_value_heads"] // ranks
+    kv = 2 * config["num_hidden_layers"] * kv_heads * head_dim * itemsize
     return {"weights": weights, "kv": kv * context}
 
 
@@ -228,10 +247,12 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
 class DeviceMemoryPeak(threading.Thread):
     """The most device memory in use (``nvidia-smi``, every 200 ms) while it runs: what a
     server holds on the GPU, MLX's live arrays and its cache of freed buffers alike, the
-    same reading for stock and the plugin. ``peak_bytes`` is None where ``nvidia-smi`` is not."""
+    same reading for stock and the plugin; summed over the first ``gpus`` GPUs, where
+    mlx.launch puts the ranks. ``peak_bytes`` is None where ``nvidia-smi`` is not."""
 
-    def __init__(self):
+    def __init__(self, gpus: int = 1):
         super().__init__(daemon=True)
+        self.gpus = gpus
         self.peak_bytes: int | None = None
         self._stop_event = threading.Event()
 
@@ -242,9 +263,11 @@ class DeviceMemoryPeak(threading.Thread):
                 capture_output=True,
                 text=True,
                 timeout=5,
-            ).stdout
-            return int(out.split()[0]) << 20  # MiB, first GPU
-        except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+            ).stdout.split()
+            if len(out) < self.gpus:
+                return None
+            return sum(int(mib) for mib in out[: self.gpus]) << 20
+        except (OSError, ValueError, subprocess.SubprocessError):
             return None
 
     def run(self) -> None:
@@ -333,10 +356,10 @@ def measure_decode_shared(model_dir: Path, work: Path, args, rows: int, prefix: 
     texts: dict[str, list[str]] = {}
     for name in SERVERS:
         rates[name], texts[name], extra = [], [], {}
-        device = DeviceMemoryPeak()
+        device = DeviceMemoryPeak(args.ranks)
         device.start()
         try:
-            with started(name, model_dir, work, args.pool_tokens, args.shared_prefix) as server:
+            with started(name, model_dir, work, args) as server:
                 for _ in range(args.rounds):
                     rate, round_texts, extra = _shared_round(server, name, args, rows, prefix, seed)
                     rates[name].append(rate)
@@ -404,9 +427,40 @@ def measure_burst(servers: dict, args, rng_seed: int) -> dict:
     return out
 
 
+def mlx_launch(
+    command: list[str], env: dict[str, str], ranks: int, backend: str, port: int
+) -> list[str]:
+    """``command`` under ``mlx.launch``, ``ranks`` ranks on 127.0.0.1, tensor parallel.
+
+    ``port`` and the ``ranks - 1`` ports after it must be free: the ring backend listens on
+    one a rank, NCCL meets on the first (mlx.launch's fixed default, 12345, would be the
+    same for both servers side by side). For NCCL, mlx.launch itself sets
+    CUDA_VISIBLE_DEVICES to the rank's number on each rank: rank r runs on GPU r.
+    """
+    # The venv's bin dir first; PATH after, for an MLX installed with pip --target.
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    launcher = shutil.which("mlx.launch", path=search)
+    if launcher is None:
+        raise RuntimeError(f"--ranks {ranks}: no mlx.launch beside {sys.executable} or on PATH")
+    cmd = [launcher, "--hosts", "127.0.0.1", "-n", str(ranks), "--backend", backend]
+    cmd += ["--starting-port", str(port), "--nccl-port", str(port)]
+    # Ranks on 127.0.0.1 inherit the launcher's environment anyway; --env is what a rank
+    # gets wherever it runs.
+    for key in (*RANK_ENV, *sorted(k for k in env if k.startswith(RANK_ENV_PREFIXES))):
+        if key in env:
+            cmd += ["--env", f"{key}={env[key]}"]
+    return [*cmd, *command]
+
+
 @contextlib.contextmanager
-def started(name: str, model_dir: Path, work: Path, pool_tokens: int, shared_prefix: str):
-    """Server ``name`` (stock or radix) up on ``model_dir`` and warmed up."""
+def started(name: str, model_dir: Path, work: Path, args):
+    """Server ``name`` (stock or radix) up on ``model_dir`` and warmed up; under mlx.launch
+    with ``args.ranks`` > 1.
+
+    Each rank runs the same command as a single server: ``serve-radix`` registers the
+    plugin itself, so the ranks need no installed entry point or start-up .pth (which
+    MLX_LM_PLUGINS relies on, and which a ``pip install --target`` of MLX does not give).
+    """
     (work / "hf").mkdir(exist_ok=True)
     command = {
         "stock": [sys.executable, "-m", "mlx_lm", "server"],
@@ -415,14 +469,20 @@ def started(name: str, model_dir: Path, work: Path, pool_tokens: int, shared_pre
     extra_env = {
         "stock": {},
         "radix": {
-            "MLX_RADIX_POOL_TOKENS": str(pool_tokens),  # 0: the plugin's own memory plan
-            "MLX_RADIX_DECODE_SHARED_PREFIX": shared_prefix,
+            "MLX_RADIX_POOL_TOKENS": str(args.pool_tokens),  # 0: the plugin's own memory plan
+            "MLX_RADIX_DECODE_SHARED_PREFIX": args.shared_prefix,
         },
     }[name]
-    port = free_port()
-    cmd = [*command, "--model", str(model_dir), "--port", str(port)]
     env = server_env(work / "hf", extra_env)
-    with ServerProcess(cmd, env, port, work / f"{name}.log") as server:
+    log = work / f"{name}.log"
+    # Under mlx.launch, the HTTP port and then one a rank for the ranks' own connections.
+    port = free_port() if args.ranks == 1 else free_ports(args.ranks + 1)
+    cmd = [*command, "--model", str(model_dir), "--port", str(port)]
+    if args.ranks == 1:
+        process = ServerProcess(cmd, env, port, log)
+    else:
+        process = Launched(mlx_launch(cmd, env, args.ranks, args.backend, port + 1), env, port, log)
+    with process as server:
         # Kernels are built at first use: a batched prefill and a batched decode.
         rng = Requests(-1, 500)
         stream_all(server, [_prompt(rng, 300) for _ in range(8)], 8)
@@ -430,17 +490,19 @@ def started(name: str, model_dir: Path, work: Path, pool_tokens: int, shared_pre
 
 
 @contextlib.contextmanager
-def side_by_side(model_dir: Path, work: Path, pool_tokens: int, shared_prefix: str = "auto"):
+def side_by_side(model_dir: Path, work: Path, args):
     """Both servers up on ``model_dir``, each warmed up; yields {name: ServerProcess}."""
     with contextlib.ExitStack() as stack:
-        yield {
-            name: stack.enter_context(started(name, model_dir, work, pool_tokens, shared_prefix))
-            for name in SERVERS
-        }
+        yield {name: stack.enter_context(started(name, model_dir, work, args)) for name in SERVERS}
+
+
+def shape_config(shape: str) -> tuple[str, dict]:
+    """The random model's base shape and the config keys ``shape`` overrides."""
+    return ("smollm2-135m", TINY) if shape == "tiny" else (shape, {})
 
 
 def bench_shape(shape: str, args, work: Path) -> dict:
-    base, overrides = ("smollm2-135m", TINY) if shape == "tiny" else (shape, {})
+    base, overrides = shape_config(shape)
     started = time.perf_counter()
     progress(f"{shape}: building random {args.dtype} weights")
     model_dir = build(base, work / shape, dtype=args.dtype, **overrides)
@@ -458,7 +520,7 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     side = [w for w in args.workload if w != "decode-shared"]
     if side:
         progress(f"{shape}: built in {report['build_s']} s; starting both servers")
-        with side_by_side(model_dir, work, args.pool_tokens, args.shared_prefix) as servers:
+        with side_by_side(model_dir, work, args) as servers:
             try:
                 _side_by_side_workloads(shape, servers, args, report)
             except Exception as e:  # what was measured before still goes into the report
@@ -476,10 +538,12 @@ def bench_shape(shape: str, args, work: Path) -> dict:
             progress(f"{shape}: {json.dumps(point)}")
     if "1" in report.get("decode", {}):
         # Mean context of the measured steps: the prompt plus half the output.
-        step = decode_step_bytes(model_dir, args.decode_prompt + args.max_tokens // 2)
+        context = args.decode_prompt + args.max_tokens // 2
+        step = decode_step_bytes(model_dir, context, args.ranks)
         floor_ms = 1000 * (step["weights"] + step["kv"]) / args.bandwidth
         one = report["decode"]["1"]
         report["floor"] = {
+            "ranks": args.ranks,
             "weight_bytes": step["weights"],
             "kv_bytes": step["kv"],
             "floor_ms_per_token": round(floor_ms, 3),
@@ -487,8 +551,11 @@ def bench_shape(shape: str, args, work: Path) -> dict:
                 f"{name}_over_floor": round(one[name]["ms_per_token"] / floor_ms, 2)
                 for name in SERVERS
             },
-            "in_process_over_floor": round(report["in_process_ms_per_token"] / floor_ms, 2),
         }
+        if args.ranks == 1:  # in process runs on one device, not a rank's share of it
+            report["floor"]["in_process_over_floor"] = round(
+                report["in_process_ms_per_token"] / floor_ms, 2
+            )
     return report
 
 
@@ -556,13 +623,23 @@ def markdown(report: dict) -> str:
             row(name, f"{burst}: prompt tokens computed", stock, radix)
         if "floor" in s:
             f = s["floor"]
-            workload = (
-                f"decode, 1 request: ms/token over the floor of {f['floor_ms_per_token']:.2f} ms "
-                f"(in-process stock mlx-lm: {f['in_process_over_floor']:.2f}x)"
-            )
+            if "in_process_over_floor" in f:
+                floor = (
+                    f"the floor of {f['floor_ms_per_token']:.2f} ms "
+                    f"(in-process stock mlx-lm: {f['in_process_over_floor']:.2f}x)"
+                )
+            else:
+                floor = f"a rank's floor of {f['floor_ms_per_token']:.2f} ms (of {f['ranks']})"
+            workload = f"decode, 1 request: ms/token over {floor}"
             row(name, workload, f"{f['stock_over_floor']:.2f}x", f"{f['radix_over_floor']:.2f}x")
         if "error" in s:
             row(name, f"failed: {s['error']}", "", "")
+    if report["ranks"] > 1:
+        rows.insert(
+            0,
+            f"Tensor parallel: {report['ranks']} ranks under mlx.launch, "
+            f"{report['backend']} backend.\n",
+        )
     return "\n".join(rows)
 
 
@@ -576,6 +653,12 @@ def _positive_ints(text: str) -> list[int]:
             f"{text!r}: expected positive integers separated by commas, e.g. 1,8,32"
         )
     return values
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return int(text)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -623,10 +706,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--bandwidth-mib", type=int, default=4096, help="copy size for bandwidth")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ranks",
+        type=_positive_int,
+        default=1,
+        help="tensor-parallel ranks of each server, under mlx.launch on 127.0.0.1 (default 1: "
+        "no mlx.launch)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["ring", "nccl"],
+        help="mlx.launch's backend with --ranks > 1 (default: nccl where MLX has CUDA, else ring)",
+    )
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
     args.shape = args.shape or list(DEFAULT_SHAPES)
     args.workload = args.workload or list(WORKLOADS)
+    args.backend = args.backend or ("nccl" if mx.cuda.is_available() else "ring")
+    for shape in args.shape:
+        base, overrides = shape_config(shape)
+        kv_heads = {**SHAPES[base], **overrides}["num_key_value_heads"]
+        if kv_heads % args.ranks:
+            p.error(
+                f"--ranks {args.ranks}: shape {shape} has {kv_heads} KV heads, which tensor "
+                f"parallelism cannot split over {args.ranks} ranks"
+            )
     return args
 
 
@@ -642,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": mx.device_info().get("device_name", ""),
         "mlx": mx.__version__,
         "copy_bandwidth_gb_s": round(args.bandwidth / 1e9, 1),
+        "ranks": args.ranks,
+        "backend": args.backend if args.ranks > 1 else None,
         "shapes": [],
     }
     print(f"copy bandwidth: {report['copy_bandwidth_gb_s']} GB/s on {report['device']}")

@@ -7,6 +7,7 @@ import contextlib
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports on 127.0.0.1 (a server's HTTP port and the
+    ports ``mlx.launch``'s ring backend takes, one a rank from ``--starting-port`` up)."""
+    while True:
+        start = free_port()
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(start, start + n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except (OSError, OverflowError):  # taken, or past 65535
+                continue
+        return start
 
 
 def event_text(event: dict) -> str:
@@ -39,9 +54,10 @@ class ServerProcess:
         self.cmd, self.env, self.port, self.log, self.cwd = cmd, env, port, log, cwd
         self.proc: subprocess.Popen | None = None
 
-    # Start the process in a session of its own (a launcher and the ranks it starts, which a
-    # subclass then stops together).
+    # Start the process in a session of its own (a launcher and the ranks it starts, which
+    # ``Launched`` then stops together).
     new_session = False
+    stdin: int | None = None  # the Popen ``stdin`` of the process
 
     def __enter__(self) -> ServerProcess:
         self._out = open(self.log, "wb")
@@ -49,17 +65,28 @@ class ServerProcess:
             self.cmd,
             env=self.env,
             cwd=self.cwd,
+            stdin=self.stdin,
             stdout=self._out,
             stderr=self._out,
             start_new_session=self.new_session,
         )
+        try:
+            self._wait_up()
+        except BaseException:
+            # No ``with`` block will stop it: a server that never answered (or a launcher
+            # whose other ranks still run) must not outlive this call.
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_up(self) -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
             try:
                 if self.get("/health")[0] == 200:
-                    return self
+                    return
             except OSError:
                 pass
             time.sleep(0.2)
@@ -87,7 +114,8 @@ class ServerProcess:
         self._out.close()
 
     def output(self) -> str:
-        self._out.flush()
+        if not self._out.closed:  # closed once stopped, a failed start included
+            self._out.flush()
         return self.log.read_text(errors="replace")
 
     def _request(self, method: str, path: str, body: dict | None = None):
@@ -143,6 +171,34 @@ class ServerProcess:
 
     def peak_rss(self, reset: bool = True) -> PeakRSS:
         return PeakRSS(self.proc.pid, reset)
+
+
+class Launched(ServerProcess):
+    """``mlx.launch`` and its ranks in a process group of their own: stopping it stops them
+    all (rank 0 serves HTTP). ``cpu_seconds`` and ``peak_rss`` are the launcher's."""
+
+    new_session = True
+    stdin = subprocess.PIPE
+
+    # mlx.launch (MLX 0.32) polls each rank's stdin pipe for writability with select(), which
+    # an empty pipe always passes: one launcher spins more than a core for as long as it runs.
+    # Its own stdin is copied to every rank; a rank never reads it, so this many bytes (past
+    # a pipe's 64 KiB) fill each rank's pipe, and the launcher sleeps in select() instead.
+    STDIN_FILL = 256 << 10
+
+    def _wait_up(self) -> None:
+        super()._wait_up()
+        self.proc.stdin.write(b"\n" * self.STDIN_FILL)
+        self.proc.stdin.flush()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc.stdin.close()
+        self._out.close()
 
 
 class PeakRSS:
