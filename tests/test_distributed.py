@@ -116,37 +116,97 @@ def idle_ranks(server: Launched) -> tuple[dict, list[dict]]:
 
 
 def assert_idle_and_alike(reported: list[dict]) -> None:
-    """Each rank's pool is idle (nothing locked or held), and every rank's is the same."""
+    """Each rank's pool is idle (nothing locked or held but pins), and every rank's is the
+    same."""
     assert len(reported) == 2
     for r in reported:
-        assert r["pages_locked"] == r["tree_locks"] == r["requests_holding_pages"] == 0, r
+        assert r["requests_holding_pages"] == 0, r
+        assert r["pages_locked"] == r["pinned_pages"] and r["tree_locks"] == r["pins"], r
         assert r["page_refs"] == r["pages_cached"], r
     assert reported[0] == reported[1]
     assert set(reported[0]) == set(RANK_STATS)
 
 
 AGREE = """
-import json, sys
+import gc, json, weakref
 import mlx.core as mx
 from mlx_radix_plugin.memory import ranks
 r = mx.distributed.init().rank()
-print(json.dumps([
+got = [
     ranks.size(), ranks.least([5 + r, 10 - r]), ranks.all_agree(r == 0), ranks.all_agree(True),
     ranks.same(b"x"), ranks.same(bytes([r])), ranks.gather([r, 7]),
-]), flush=True)
+]
+# Garbage in a cycle goes at the same step on every rank: every COLLECT_EVERY steps.
+ranks.own_garbage_collection()
+class Cycle:
+    pass
+freed, counts = [], []
+for step in range(2 * ranks.COLLECT_EVERY):
+    c = Cycle()
+    c.me = c
+    weakref.finalize(c, freed.append, step)
+    del c
+    ranks.stepped()
+    counts.append(len(freed))
+n = ranks.COLLECT_EVERY
+got += [gc.isenabled(), counts[n - 2], counts[n - 1], counts[2 * n - 2], counts[2 * n - 1]]
+print(json.dumps(got), flush=True)
 """
 
 
-def test_ranks_agree(tmp_path):
-    script = tmp_path / "agree.py"
-    script.write_text(AGREE)
+# Two pools planned apart (rank 1: more pages, larger chunks, more K/V held outside the pool,
+# a later clock) that must come out alike: their size, when a chunk comes, when one goes.
+POOLS = """
+import json
+import mlx.core as mx
+from mlx_radix_plugin.memory.allocator import OutOfPages
+from mlx_radix_plugin.memory.budget import MemoryPlan
+from mlx_radix_plugin.memory.pool import KVPool, LayerSpec
+r = mx.distributed.init().rank()
+pool = KVPool([LayerSpec(1, 8, 8)], 64 + 64 * r, 4, mx.float32, chunk_pages=8 + 8 * r)
+pool.plan = MemoryPlan(0, "test", 0, 0, 0, 0, "test", buffer_reserve_bytes=0)
+pool = pool.agreed()
+class Outside:  # K/V a rank holds outside the pool: rank 1's leaves no room past 2 chunks
+    buffer_nbytes = r * 6 * 8 * pool.bytes_per_page
+outside = Outside()
+pool.hold_outside(outside)
+got = [pool.max_pages, pool.allocator.chunk_pages, len(pool.alloc_pages(8))]
+pages = pool.alloc_pages(8)
+try:
+    pool.alloc_pages(8)
+except OutOfPages:
+    got.append("full")
+got.append(len(pool.allocator.online_chunks))
+pool.release_pages(pages)
+got.append(pool.trim(idle_seconds=10, now=0.0))  # chunk 1 empty from here
+got.append(pool.trim(idle_seconds=10, now=5.0 + 10 * r))  # due on rank 1 only
+got.append(pool.trim(idle_seconds=10, now=10.0 + 10 * r))  # due on both
+got.append(pool.allocator.online_chunks)
+print(json.dumps(got), flush=True)
+"""
+
+
+def run_ranks(tmp_path, code: str) -> list:
+    """``code`` on two ranks; what each printed last, by rank."""
+    script = tmp_path / "ranks.py"
+    script.write_text(code)
     cmd = [str(BIN / "mlx.launch"), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring"]
     cmd += ["--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}"]
     out = run_to_exit([*cmd, "--", sys.executable, str(script)], server_env(tmp_path), 120)
     assert out.returncode == 0, out.stderr
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
-    expected = [2, [5, 9], False, True, True, False, [[0, 7], [1, 7]]]
-    assert lines == [expected, expected]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
+
+
+def test_ranks_agree(tmp_path):
+    expected = [2, [5, 9], False, True, True, False, [[0, 7], [1, 7]], False, 0, 64, 64, 128]
+    assert run_ranks(tmp_path, AGREE) == [expected, expected]
+
+
+def test_pools_planned_apart_grow_and_trim_alike(tmp_path):
+    # 64 pages in chunks of 8 (the least), a third chunk refused (rank 1 had no room), chunk 1
+    # given back once both ranks' clocks say so.
+    expected = [64, 8, 8, "full", 2, 0, 0, 1, [0]]
+    assert run_ranks(tmp_path, POOLS) == [expected, expected]
 
 
 def test_tensor_parallel_ranks_answer_as_stock_and_hit(launch, model_dirs, tmp_path):
@@ -174,13 +234,19 @@ def test_pipeline_ranks_answer_as_stock_and_hit(launch, model_dirs, tmp_path):
         alone = [text for text, _ in answers(stock)]
     with launch("qwen2", plugin=False, args=("--pipeline",)) as stock:
         distributed = [text for text, _ in answers(stock)]
-    with launch("qwen2", args=("--pipeline",)) as radix:
+    # A pin file prefills at load on every rank (its send tied to the last layer's cache),
+    # and --prompt-cache-bytes trims by each rank's bytes, agreed.
+    pin = tmp_path / "system.txt"
+    pin.write_text(SYSTEM)
+    args = ("--pipeline", "--prompt-cache-bytes", str(1 << 30))
+    with launch("qwen2", args=args, env={"MLX_RADIX_PIN": str(pin)}) as radix:
         got = answers(radix)
         stats, reported = idle_ranks(radix)
         log = radix.output()
     assert [text for text, _ in got] == distributed == alone
-    assert sum(cached for _, cached in got[2:]) > 0
+    assert all(cached > 0 for _, cached in got)  # the pinned system prompt
     assert stats["fallback"] is None and "radix cache off" not in log
+    assert log.count(f"radix.pin: {pin} pinned") == 2 and stats["pins"] == 1
     assert_idle_and_alike(reported)
 
 

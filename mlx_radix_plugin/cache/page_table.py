@@ -54,6 +54,7 @@ class PageTable:
         # Set by RadixPromptCache.fetch_nearest_cache: whose prompt this is, how much of it
         # the tree has, and the admitted request whose pages it waits for, if any.
         self.model_key = None
+        self.fetch_number = -1  # its place in the fetch order (RadixPromptCache._inflight)
         self.tokens: list[int] | None = None
         self.committed = 0
         self.prompt_committed = True  # no prompt to commit unless fetch says so

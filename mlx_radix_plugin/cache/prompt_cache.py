@@ -8,6 +8,7 @@ them: no K/V is copied, and a prefix shared by many prompts is stored once.
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -70,7 +71,10 @@ class RadixPromptCache:
         # Only an engine that runs a prefill after the one it waits for may turn
         # this on (engine.RadixBatchGenerator does).
         self.share_inflight = False
-        self._inflight: weakref.WeakSet[PageTable] = weakref.WeakSet()
+        # In fetch order (a WeakSet's follows addresses): a tie goes to the first fetched,
+        # the same request on every rank of mlx.launch.
+        self._inflight: weakref.WeakValueDictionary[int, PageTable] = weakref.WeakValueDictionary()
+        self._fetches = itertools.count()
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()  # every fetched table
         # The disk tier under the pool (tiering.py), when the server turns it on.
         self.tiering: Tiering | None = None
@@ -139,7 +143,8 @@ class RadixPromptCache:
         """Count a fetch that hands ``n`` cached tokens to ``table``."""
         # No page is reserved for the rest of the prompt yet: a queued request holds only
         # what it matched, and reserves when the engine admits it (or as its prefill goes).
-        self._inflight.add(table)
+        table.fetch_number = next(self._fetches)
+        self._inflight[table.fetch_number] = table
         self._tables.add(table)
         c = self.counters
         c.prompt_tokens += len(table.tokens)
@@ -234,7 +239,7 @@ class RadixPromptCache:
             if list(tokens[: len(prompt)]) != prompt[: len(tokens)]:
                 # Not the tokens this table's pages hold: committing would file K/V
                 # under the wrong key. Give the pages back instead.
-                self._inflight.discard(table)
+                self._inflight.pop(table.fetch_number, None)
                 table.release()
                 return
             if table.in_batch:
@@ -242,7 +247,7 @@ class RadixPromptCache:
                 self._commit_running(model_key, tokens, table, n)
             else:
                 self._commit(model_key, tokens, table, n)
-                self._inflight.discard(table)
+                self._inflight.pop(table.fetch_number, None)
                 table.release()
         elif self._ingestible(prompt_cache):
             self._ingest(model_key, tokens, prompt_cache)
@@ -271,7 +276,7 @@ class RadixPromptCache:
     @_locked
     def release(self, table: PageTable) -> None:
         """Give back a request's pages and lock without caching anything more of it."""
-        self._inflight.discard(table)
+        self._inflight.pop(table.fetch_number, None)
         table.release()
 
     @_locked
@@ -303,7 +308,7 @@ class RadixPromptCache:
             self._commit_running(table.model_key, prompt, table, upto)
         if upto >= len(prompt) // self.pool.page_size * self.pool.page_size:
             table.prompt_committed = True
-            self._inflight.discard(table)
+            self._inflight.pop(table.fetch_number, None)
 
     # -- pins ----------------------------------------------------------------------
 
@@ -396,7 +401,7 @@ class RadixPromptCache:
         """The request not yet committed whose prompt covers most of ``tokens``."""
         ps = self.pool.page_size
         best, best_len = None, cached
-        for other in list(self._inflight):
+        for other in list(self._inflight.values()):
             if other.released or other.model_key != model_key:
                 continue
             limit = min(len(other.tokens), len(tokens) - 1)

@@ -38,6 +38,7 @@ from ..cache.page_table import PageTable
 from ..cache.pool_backed import PoolBackedCache
 from ..cache.prompt_cache import RadixPromptCache
 from ..cache.recurrent import Snapshot, cut_segments
+from ..memory import ranks
 from ..memory.allocator import OutOfPages
 from . import attention
 from .decode_path import RULES, DecodePath
@@ -365,4 +366,5 @@ class RadixBatchGenerator(BatchGenerator):
                 for table in rows.tables:
                     if not table.prompt_committed:
                         self.radix.commit_progress(table)
+        ranks.stepped()
         return responses

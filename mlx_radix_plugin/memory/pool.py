@@ -29,7 +29,6 @@ touch (``slots.py``).
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 import weakref
@@ -419,17 +418,17 @@ class KVPool:
         with self.lock:
             self.run_deferred()
             now = time.monotonic() if now is None else now
-            empty = []
+            due = [False] * self.allocator.num_chunks
             for c in self.allocator.online_chunks[1:]:
                 if self.allocator.chunk_used(c):
                     self._empty_since.pop(c, None)
                 else:
-                    empty.append(c)
-            due = [now - self._empty_since.setdefault(c, now) >= idle_seconds for c in empty]
-            if empty:  # the same chunks on every rank; each rank's clock says when
-                due = ranks.least(due)
+                    due[c] = now - self._empty_since.setdefault(c, now) >= idle_seconds
+            # Under mlx.launch a chunk goes only where it is empty and due on every rank (each
+            # rank's clock says when); every rank has the same chunks (``agreed``).
+            due = ranks.least(due)
             freed = 0
-            for c, go in zip(empty, due):
+            for c, go in enumerate(due):
                 if go:
                     self.allocator.remove_chunk(c)
                     self._chunks[c] = None
@@ -455,14 +454,6 @@ class KVPool:
         the pool takes beyond its reserve), then evicted ones."""
         with self.lock:
             self.run_deferred()
-            if n > self.allocator.num_free and ranks.size() > 1:
-                # A page table that only the garbage collector frees (one in a reference
-                # cycle) comes back at a different time on each rank of mlx.launch; a
-                # decision to grow or evict is made on every page that is really free, so
-                # it is the same everywhere. A rank that has enough pages without it would
-                # have them after it too.
-                gc.collect()
-                self.run_deferred()
             while n > self.allocator.num_free and self._grow():
                 pass
             short = n - self.allocator.num_free

@@ -8,13 +8,23 @@ chunk of the pool coming online or going) must come out the same on every rank. 
 made from tokens and pages do, given the same start; those made from bytes, memory or time
 (each rank has its own device, shard and clock) go through these functions first.
 
-Each function is a collective: call it on the generation thread, at a point every rank
-reaches in the same order (the decisions before it having been agreed). In one process
-they return their input and cost nothing.
+Each of ``least``, ``all_agree``, ``same`` and ``gather`` is a collective: call it on the
+generation thread, at a point every rank reaches in the same order (the decisions before it
+having been agreed). In one process they return their input and cost nothing.
+
+The garbage collector decides too: a page table in a reference cycle gives its pages and its
+tree lock back when the collector frees it, and the pages free, the locks held and the weak
+references alive are what matches, admissions and evictions read. The automatic collector
+runs at a moment of its own on each rank (rank 0 also allocates on its HTTP threads), so
+under ``mlx.launch`` it is off (``own_garbage_collection``) and the collector runs at points
+every rank reaches alike: every ``COLLECT_EVERY`` engine steps (``stepped``) and when the
+server goes idle after steps (``idle``).
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import zlib
 from collections.abc import Sequence
 
@@ -23,6 +33,13 @@ import mlx.core as mx
 # int32 on the wire, which every backend moves; counts here are pages, chunks and tokens, far
 # below 2**31.
 _MOST = 2**31 - 1
+
+# Engine steps between two collections under mlx.launch: a full collection of a server's heap
+# takes milliseconds, a decode step on a GPU a few.
+COLLECT_EVERY = 64
+
+log = logging.getLogger("mlx_radix")
+_steps = 0  # since the last collection, while this process collects itself
 
 
 def size() -> int:
@@ -57,3 +74,36 @@ def gather(values: Sequence[int]) -> list[list[int]]:
         return [list(values)]
     x = mx.array([min(max(int(v), -_MOST), _MOST) for v in values], dtype=mx.int32)
     return mx.distributed.all_gather(x[None]).tolist()
+
+
+def own_garbage_collection() -> None:
+    """Under ``mlx.launch``, turn the automatic garbage collector off: ``stepped`` and
+    ``idle`` run it at the same points on every rank."""
+    global _steps
+    if size() > 1 and gc.isenabled():
+        gc.disable()
+        _steps = 0
+        log.info(
+            "under mlx.launch (%d ranks) garbage is collected every %d steps and when idle, "
+            "at the same point on every rank",
+            size(),
+            COLLECT_EVERY,
+        )
+
+
+def stepped() -> None:
+    """An engine step ran: collect every ``COLLECT_EVERY`` of them, if collecting here."""
+    global _steps
+    if size() > 1 and not gc.isenabled():
+        _steps += 1
+        if _steps >= COLLECT_EVERY:
+            gc.collect()
+            _steps = 0
+
+
+def idle() -> None:
+    """The server went idle: collect if steps ran since the last collection."""
+    global _steps
+    if _steps and not gc.isenabled():
+        gc.collect()
+        _steps = 0

@@ -95,7 +95,11 @@ def prefill(radix: Any, model: Any, key: Hashable, tokens: Sequence[int], step: 
     cached = len(tokens) - len(rest)
     for i in range(0, len(rest), step):
         model(mx.array(rest[i : i + step])[None], cache=caches)
-        mx.eval(radix.pool.arrays, [c.cache for c in caches if type(c) is ArraysCache])
+        # A pipelined model (``--pipeline``) ties its send to the next rank to the last
+        # layer's cache, ``cache[-1].keys``: evaluated here, or that rank waits for it.
+        sent = getattr(caches[-1], "keys", None)
+        states = [c.cache for c in caches if type(c) is ArraysCache]
+        mx.eval(radix.pool.arrays, states, [] if sent is None else sent)
     radix.insert_cache(key, list(tokens), caches)
     return cached
 

@@ -50,12 +50,27 @@ RANK_STATS = (
     "pages_locked",
     "tree_locks",
     "requests_holding_pages",
+    "pins",
+    "pinned_pages",
     "evictions",
     "hits",
     "misses",
     "cached_tokens",
     "snapshots",
     "snapshot_evictions",
+)
+
+# Settings that may differ between the hosts of mlx.launch: memory (each rank plans for its
+# own device, then the pools are agreed: KVPool.agreed), the disk tier (off there), logging.
+PER_HOST = (
+    "log_level",
+    "metrics.",
+    "radix.disk.",
+    "radix.pool_tokens",
+    "radix.mem_fraction",
+    "radix.chunk_mib",
+    "radix.snapshot_mib",
+    "radix.buffer_cache_fraction",
 )
 
 NOT_LOADED = "no model loaded yet"
@@ -99,6 +114,16 @@ class ServerPromptCache:
         self.model_key = None
         reason = self._fallback_reason(draft_model, cli_args)
         cfg, pool = self.config, None
+        ranks.own_garbage_collection()
+        # Each rank reads its own host's settings; those that decide in tokens and pages must
+        # be the same everywhere.
+        decisive = sorted((k, v) for k, v in cfg.values.items() if not k.startswith(PER_HOST))
+        if not ranks.same(repr(decisive).encode()) and reason is None:
+            reason = (
+                "the radix settings differ between the ranks of mlx.launch (compare "
+                "`mlx-radix config show` on each host; only memory, disk and logging settings "
+                "may differ)"
+            )
         if reason is None:
             try:
                 pool = KVPool.for_model(
@@ -120,6 +145,10 @@ class ServerPromptCache:
         # the others hit would run other collectives), and the pools are alike (``agreed``).
         if not ranks.all_agree(reason is None) and reason is None:
             reason = "another rank of mlx.launch could not build its KV pool (see its log)"
+        # A pipeline rank may hold only attention layers of a hybrid model, and would fetch
+        # by the plain path while the others resume recurrent state.
+        if reason is None and not ranks.same(bytes([bool(pool.recurrent)])):
+            reason = "a hybrid model's recurrent layers are on some ranks of mlx.launch only"
         if reason is None:
             pool = pool.agreed()
             self.radix = RadixPromptCache(pool, eviction=cfg["radix.eviction"])
@@ -316,6 +345,7 @@ class ServerPromptCache:
     def idle(self) -> None:
         """Nothing is being generated: give back the pool's chunks that stayed empty (and,
         under mlx.launch, gather every rank's ``RANK_STATS``)."""
+        ranks.idle()  # under mlx.launch, the garbage of the steps that ran, on every rank
         radix = self.radix
         if radix is not None:
             radix.pool.trim()
