@@ -270,6 +270,18 @@ def test_features_under_tensor_parallel(launch, model_dirs, tmp_path, arch, args
         assert stats["decode_steps_shared"] > 0
 
 
+def test_settings_that_differ_fall_back_on_every_rank(launch, model_dirs, tmp_path):
+    with single(model_dirs, tmp_path) as stock:
+        alone = [text for text, _ in answers(stock)]
+    with launch(rank_env={1: {"MLX_RADIX_PAGE_SIZE": "8"}}) as radix:
+        got = answers(radix)
+        stats = radix.stats()
+        log = radix.output()
+    assert [text for text, _ in got] == alone
+    assert "settings differ" in stats["fallback"]
+    assert log.count("radix cache off") == 2 and "radix KV pool: up to" not in log
+
+
 def pressure_specs(seed: int = 0) -> list[Spec]:
     """Prompts on 8 system prompts of about 1,500 tokens, 4 questions each, twice over (about
     100,000 prompt tokens, 50 times a 2,048-token pool); one streamed request in four hangs

@@ -206,6 +206,17 @@ def _ttft_summary(ttft: list[float]) -> dict:
     }
 
 
+@contextlib.contextmanager
+def alone(servers: dict, name: str):
+    """Server ``name`` alone on the machine for the block: the others, under mlx.launch,
+    paused (``Launched.paused``); one in a process of its own waits without using the CPU."""
+    with contextlib.ExitStack() as stack:
+        for other, server in servers.items():
+            if other != name and isinstance(server, Launched):
+                stack.enter_context(server.paused())
+        yield servers[name]
+
+
 def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
     """``args.rounds`` rounds of ``batch`` concurrent requests per server, turns alternating."""
     per: dict[str, list[dict]] = {name: [] for name in servers}
@@ -216,7 +227,8 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
         for name in order:
             rng = Requests(rng_seed + round_, args.vocab)
             prompts = [_prompt(rng, args.decode_prompt) for _ in range(batch)]
-            wall, results = stream_all(servers[name], prompts, args.max_tokens)
+            with alone(servers, name) as server:
+                wall, results = stream_all(server, prompts, args.max_tokens)
             tokens = sum(r["usage"]["completion_tokens"] for r in results)
             per_token = [
                 r["seconds"] / (r["usage"]["completion_tokens"] - 1)
@@ -391,15 +403,16 @@ def measure_decode_shared(model_dir: Path, work: Path, args, rows: int, prefix: 
 def measure_cached_prefix(servers: dict, args, rng_seed: int) -> dict:
     """TTFT of requests, one after another, on a shared prefix an earlier request cached."""
     out = {}
-    for name, server in servers.items():
+    for name in servers:
         rng = Requests(rng_seed, args.vocab)
         prefix = [rng.randrange(2, rng.vocab) for _ in range(args.cached_prefix)]
-        stream_all(server, [_prompt(rng, args.question, prefix)], 2)  # caches the prefix
         ttft, cached = [], []
-        for _ in range(args.cached_requests):
-            _, (r,) = stream_all(server, [_prompt(rng, args.question, prefix)], 2)
-            ttft.append(r["ttft"])
-            cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+        with alone(servers, name) as server:
+            stream_all(server, [_prompt(rng, args.question, prefix)], 2)  # caches the prefix
+            for _ in range(args.cached_requests):
+                _, (r,) = stream_all(server, [_prompt(rng, args.question, prefix)], 2)
+                ttft.append(r["ttft"])
+                cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
         out[name] = {**_ttft_summary(ttft), "cached_tokens_mean": statistics.fmean(cached)}
     out["speedup"] = round(out["stock"]["ttft_mean_s"] / out["radix"]["ttft_mean_s"], 3)
     out["shared_prefix"] = args.cached_prefix
@@ -409,11 +422,12 @@ def measure_cached_prefix(servers: dict, args, rng_seed: int) -> dict:
 def measure_burst(servers: dict, args, rng_seed: int) -> dict:
     """``args.burst`` requests on one new prefix, sent at once."""
     out = {}
-    for name, server in servers.items():
+    for name in servers:
         rng = Requests(rng_seed, args.vocab)
         prefix = [rng.randrange(2, rng.vocab) for _ in range(args.burst_prefix)]
         prompts = [_prompt(rng, args.question, prefix) for _ in range(args.burst)]
-        wall, results = stream_all(server, prompts, 8)
+        with alone(servers, name) as server:
+            wall, results = stream_all(server, prompts, 8)
         out[name] = {
             **_ttft_summary([r["ttft"] for r in results]),
             "wall_s": round(wall, 3),
