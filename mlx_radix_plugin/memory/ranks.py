@@ -39,7 +39,8 @@ _MOST = 2**31 - 1
 COLLECT_EVERY = 64
 
 log = logging.getLogger("mlx_radix")
-_steps = 0  # since the last collection, while this process collects itself
+# Steps since the last collection; None unless this process collects itself.
+_steps: int | None = None
 
 
 def size() -> int:
@@ -94,7 +95,7 @@ def own_garbage_collection() -> None:
 def stepped() -> None:
     """An engine step ran: collect every ``COLLECT_EVERY`` of them, if collecting here."""
     global _steps
-    if size() > 1 and not gc.isenabled():
+    if _steps is not None:
         _steps += 1
         if _steps >= COLLECT_EVERY:
             gc.collect()
@@ -104,6 +105,6 @@ def stepped() -> None:
 def idle() -> None:
     """The server went idle: collect if steps ran since the last collection."""
     global _steps
-    if _steps and not gc.isenabled():
+    if _steps:
         gc.collect()
         _steps = 0
