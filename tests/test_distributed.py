@@ -15,7 +15,6 @@ import pytest
 from servers import (
     BIN,
     NO_EOS,
-    REPO,
     Server,
     free_port,
     mlx_lm_server,
@@ -25,7 +24,7 @@ from servers import (
 from tiny_models import CORPUS
 
 from mlx_radix_plugin.server.server_cache import RANK_STATS
-from mlx_radix_plugin.tools.bench.servers import Launched
+from mlx_radix_plugin.tools.bench.servers import Launched, free_ports, mlx_launch
 from mlx_radix_plugin.tools.soak import Spec, send
 
 pytestmark = pytest.mark.slow
@@ -50,9 +49,11 @@ def launch(model_dirs, tmp_path):
     ) -> Launched:
         """Two ranks serving ``arch`` (by ``mlx-radix serve`` if ``serve``); ``rank_env``:
         variables one rank alone gets."""
-        port = free_port()
+        port = free_ports(3)  # HTTP, then one a rank
         (tmp_path / "hf").mkdir(exist_ok=True)
         env = server_env(tmp_path / "hf", **(env or {}))
+        if plugin:
+            env["MLX_LM_PLUGINS"] = "radix"
         server = [str(BIN / "mlx-radix"), "serve"] if serve else [str(BIN / "mlx_lm.server")]
         if rank_env:  # mlx.launch's --env is every rank's; mlx.launch sets MLX_RANK
             script = tmp_path / f"rank-env-{port}.sh"
@@ -65,15 +66,8 @@ def launch(model_dirs, tmp_path):
             script.write_text("\n".join(["#!/bin/sh", *lines]) + "\n")
             script.chmod(0o755)
             server = [str(script)]
-        cmd = [str(BIN / "mlx.launch"), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring"]
-        cmd += ["--starting-port", str(free_port())]
-        for key in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "PYTHONPATH") + tuple(
-            k for k in env if k.startswith("MLX_RADIX_")
-        ):
-            cmd += ["--env", f"{key}={env[key]}"]
-        if plugin:
-            cmd += ["--env", "MLX_LM_PLUGINS=radix"]
-        cmd += [*server, "--model", str(model_dirs[arch]), "--port", str(port), *args]
+        cmd = [*server, "--model", str(model_dirs[arch]), "--port", str(port), *args]
+        cmd = mlx_launch(cmd, env, ranks=2, backend="ring", port=port + 1)
         return Launched(cmd, env, port, tmp_path / f"launch-{port}.log")
 
     return launch
@@ -190,9 +184,11 @@ def run_ranks(tmp_path, code: str) -> list:
     """``code`` on two ranks; what each printed last, by rank."""
     script = tmp_path / "ranks.py"
     script.write_text(code)
-    cmd = [str(BIN / "mlx.launch"), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring"]
-    cmd += ["--starting-port", str(free_port()), "--env", f"PYTHONPATH={REPO}"]
-    out = run_to_exit([*cmd, "--", sys.executable, str(script)], server_env(tmp_path), 120)
+    env = server_env(tmp_path)
+    cmd = mlx_launch(
+        [sys.executable, str(script)], env, ranks=2, backend="ring", port=free_ports(2)
+    )
+    out = run_to_exit(cmd, env, 120)
     assert out.returncode == 0, out.stderr
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
 

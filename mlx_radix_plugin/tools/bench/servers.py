@@ -7,6 +7,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -172,6 +173,39 @@ class ServerProcess:
 
     def peak_rss(self, reset: bool = True) -> PeakRSS:
         return PeakRSS(self.proc.pid, reset)
+
+
+# What a server needs in its environment (as server_env sets it), handed to every rank by
+# mlx.launch's --env, with every variable of RANK_ENV_PREFIXES: the plugin's settings, and
+# NCCL's (a host whose GPUs others share must keep NVLink multicast off: NCCL_NVLS_ENABLE=0).
+# MLX_LM_PLUGINS: the plugins the start-up shim activates.
+RANK_ENV = ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "PYTHONPATH", "LD_PRELOAD", "MLX_LM_PLUGINS")
+RANK_ENV_PREFIXES = ("MLX_RADIX_", "NCCL_")
+
+
+def mlx_launch(
+    command: list[str], env: dict[str, str], ranks: int, backend: str, port: int
+) -> list[str]:
+    """``command`` under ``mlx.launch``, ``ranks`` ranks on 127.0.0.1, tensor parallel.
+
+    ``port`` and the ``ranks - 1`` ports after it must be free: the ring backend listens on
+    one a rank, NCCL meets on the first (mlx.launch's fixed default, 12345, would be the
+    same for both servers side by side). For NCCL, mlx.launch itself sets
+    CUDA_VISIBLE_DEVICES to the rank's number on each rank: rank r runs on GPU r.
+    """
+    # The venv's bin dir first; PATH after, for an MLX installed with pip --target.
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    launcher = shutil.which("mlx.launch", path=search)
+    if launcher is None:
+        raise RuntimeError(f"no mlx.launch beside {sys.executable} or on PATH")
+    cmd = [launcher, "--hosts", "127.0.0.1", "-n", str(ranks), "--backend", backend]
+    cmd += ["--starting-port", str(port), "--nccl-port", str(port)]
+    # Ranks on 127.0.0.1 inherit the launcher's environment anyway; --env is what a rank
+    # gets wherever it runs.
+    for key in (*RANK_ENV, *sorted(k for k in env if k.startswith(RANK_ENV_PREFIXES))):
+        if key in env:
+            cmd += ["--env", f"{key}={env[key]}"]
+    return [*cmd, *command]
 
 
 class Launched(ServerProcess):
