@@ -2,7 +2,9 @@
 
 import errno
 import logging
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -101,18 +103,117 @@ def test_a_damaged_file_is_a_miss_moved_aside(tmp_path, caplog, damage):
     tier.close()
 
 
-def test_a_write_killed_midway_is_never_read(tmp_path):
+def test_a_write_killed_midway_is_never_read(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
-    keys = chain(tier, list(range(2 * PS)))
+    # The writer stopped between writing a page and naming it, as a kill -9 would.
+    written, never = threading.Event(), threading.Event()
+
+    def stalled_replace(src, dst):
+        if str(dst).endswith(disk_tier.SUFFIX):
+            written.set()
+            never.wait(5)
+            raise OSError(errno.EIO, "killed")
+        return real_replace(src, dst)
+
+    real_replace = disk_tier.os.replace
+    monkeypatch.setattr(disk_tier.os, "replace", stalled_replace)
+    keys = page_hashes(chain_seed(()), list(range(PS)), 1, PS)
+    tier.put(keys[0], "", 0, list(range(PS)), page(0))
+    assert written.wait(5)
+    [leftover] = tier.path_of(keys[0]).parent.iterdir()
+    assert ".tmp" in leftover.name and leftover.stat().st_size > 0
+    assert not tier.path_of(keys[0]).exists()
+    # A later start by another process (the pid in the name is gone) removes it.
+    dead = leftover.with_name(leftover.name.rpartition(".tmp")[0] + ".tmp999999999")
+    leftover.rename(dead)
+    monkeypatch.undo()
+    never.set()
     tier.close()
-    # What a kill -9 during a write leaves: a temporary file, never renamed.
-    final = tier.path_of(keys[1])
-    leftover = final.with_name(final.name + ".tmp4242")
-    final.rename(leftover)
-    leftover.write_bytes(leftover.read_bytes()[:100])
     again = DiskTier(tmp_path, IDENTITY, 1 << 20)
-    assert again.stored(keys) == 1 and not leftover.exists()
+    assert again.stored(keys) == 0 and not dead.exists()
     again.close()
+
+
+def test_a_start_leaves_another_live_writers_files_alone(tmp_path):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    keys = chain(tier, list(range(PS)))
+    tier.close()
+    final = tier.path_of(keys[0])
+    live = final.with_name(f"{final.name}.tmp{os.getpid()}")  # this process is alive
+    stale = final.with_name(f"{final.name}.tmp1")
+    for tmp in (live, stale):
+        tmp.write_bytes(b"half a page")
+    os.utime(stale, (time.time() - 2 * disk_tier.STALE_TMP_SECONDS,) * 2)
+    again = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    assert live.exists() and not stale.exists() and again.stored(keys) == 1
+    again.close()
+
+
+def test_a_failing_read_is_a_miss_that_changes_nothing(tmp_path, monkeypatch, caplog):
+    tokens = list(range(3 * PS))
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    keys = chain(tier, tokens)
+    real_read_header = disk_tier.read_header
+
+    def too_many_open_files(path):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(disk_tier, "read_header", too_many_open_files)
+    with caplog.at_level(logging.WARNING, "mlx_radix"):
+        for _ in range(2):
+            assert tier.read(keys[0], "", tokens[:PS]) is None
+    assert caplog.text.count("a miss") == 1
+    monkeypatch.setattr(disk_tier, "read_header", real_read_header)
+    assert tier.stored(keys) == 3 and tier.counters.corrupt == 0
+    assert all(tier.path_of(k).exists() for k in keys)
+    assert tier.read(keys[0], "", tokens[:PS]) is not None
+    tier.close()
+
+
+def test_a_bad_file_that_cannot_be_moved_is_still_a_miss(tmp_path, monkeypatch):
+    tokens = list(range(2 * PS))
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    keys = chain(tier, tokens)
+    tier.path_of(keys[0]).write_bytes(b"\0" * 64)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(disk_tier.os, "replace", read_only)
+    monkeypatch.setattr(disk_tier.Path, "unlink", read_only)
+    assert tier.read_chain(keys, ["", keys[0]], [tokens[:PS], tokens[PS:]]) == []
+    assert tier.stored(keys) == 0 and tier.counters.corrupt == 1
+    monkeypatch.undo()
+    tier.close()
+
+
+def test_a_tier_whose_directory_was_removed_writes_again(tmp_path):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20, about={"model": "m"})
+    first = chain(tier, list(range(PS)))
+    assert clear_tiers(tmp_path) == [tier.id]  # ``mlx-radix cache clear`` while serving
+    assert tier.read(first[0], "", list(range(PS))) is None and tier.enabled
+    keys = chain(tier, list(range(100, 100 + PS)))
+    assert tier.enabled and tier.path_of(keys[0]).exists()
+    assert [t["record"]["model"] for t in list_tiers(tmp_path)] == ["m"]
+    tier.close()
+
+
+def test_pages_in_use_outlast_idle_ones_and_no_orphan_is_written(tmp_path):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    hot = chain(tier, list(range(2 * PS)))
+    cold = chain(tier, list(range(100, 100 + 2 * PS)))
+    one = tier.nbytes // 4
+    tier.touch(hot)  # the pool served a prompt through them
+    tier.budget_bytes = 5 * one
+    chain(tier, list(range(200, 200 + 2 * PS)))
+    assert tier.stored(hot) == 2 and tier.stored(cold) < 2
+    # A page whose parent the budget evicted while it waited is not written.
+    gone = cold[tier.stored(cold)]
+    orphan = page_hashes(chain_seed(()), list(range(100, 100 + 3 * PS)), 3, PS)[2]
+    assert gone in (cold[0], cold[1])
+    tier.put(orphan, cold[1], 2, list(range(100 + 2 * PS, 100 + 3 * PS)), page(0))
+    assert tier.flush(5) and orphan not in tier and not tier.path_of(orphan).exists()
+    tier.close()
 
 
 def test_the_budget_drops_least_recent_pages_from_the_ends_of_chains(tmp_path):

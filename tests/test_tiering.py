@@ -1,15 +1,16 @@
 """The disk tier under the pool: pages written through, read back after a restart or an
 eviction, and only for the model, page size and salt that wrote them."""
 
+import time
+
 import pytest
 from test_generation import KEY, generate
 from test_prompt_cache import idle
 from tiny_models import build_model
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
-from mlx_radix_plugin.cache.tiering import Tiering
+from mlx_radix_plugin.cache.tiering import Tiering, disk_identity
 from mlx_radix_plugin.memory.disk_tier import DiskTier
-from mlx_radix_plugin.memory.fingerprint import weights_fingerprint
 
 PS = 4
 
@@ -19,21 +20,12 @@ def llama(loaded):
     return loaded("llama")
 
 
-def identity(model, page_size=PS):
-    pool = KVPool.for_model(model, page_size=page_size, pool_tokens=64)
-    return {
-        "weights": weights_fingerprint(model),
-        "page_size": page_size,
-        "kv_dtype": str(pool.dtype),
-        "layers": [str(s) for s in pool.specs],
-    }
-
-
 def with_disk(model, root, page_size=PS, pool_tokens=1024):
-    """A prompt cache over a fresh pool, on the disk tier at ``root`` (a restart)."""
+    """A prompt cache over a fresh pool, on the disk tier at ``root`` (a restart), under
+    the identity the server gives it."""
     pool = KVPool.for_model(model, page_size=page_size, pool_tokens=pool_tokens)
     rpc = RadixPromptCache(pool)
-    rpc.tiering = Tiering(pool, DiskTier(root, identity(model, page_size), 1 << 30), KEY)
+    rpc.tiering = Tiering(pool, DiskTier(root, disk_identity(model, pool), 1 << 30), KEY)
     return rpc
 
 
@@ -99,16 +91,23 @@ def test_pages_the_pool_evicted_come_back_from_disk(llama, tmp_path):
     stop(rpc)
 
 
-def test_other_weights_or_page_size_see_nothing(llama, model_dirs, tmp_path, loaded):
+def test_other_weights_settings_or_page_size_see_nothing(llama, tmp_path):
     model, tok = llama
     prompt = list(range(10, 10 + 8 * PS))
     on_disk(model, tok, tmp_path / "disk", prompt)
 
     from mlx_lm import load
 
+    # The same model moved elsewhere sees it all.
+    moved, _ = load(str(build_model("llama", tmp_path / "moved", seed=0)))
+    rpc = with_disk(moved, tmp_path / "disk")
+    _, cached = serve(rpc, moved, tok, prompt + [1])
+    assert cached >= len(prompt) - PS and rpc.stats()["disk_hits"] == 1
+    stop(rpc)
     other, _ = load(str(build_model("llama", tmp_path / "other", seed=1)))
-    assert weights_fingerprint(other) != weights_fingerprint(model)
-    for m, ps in ((other, PS), (model, 2 * PS)):
+    # Same weights, another config.json (RoPE's base): other K for the same tokens.
+    rope, _ = load(str(build_model("llama", tmp_path / "rope", seed=0, rope_theta=10.0)))
+    for m, ps in ((other, PS), (rope, PS), (model, 2 * PS)):
         rpc = with_disk(m, tmp_path / "disk", page_size=ps)
         assert len(rpc.tiering.disk) == 0
         _, cached = serve(rpc, m, tok, prompt + [1])
@@ -217,8 +216,13 @@ def test_writes_a_full_queue_dropped_are_retried_when_idle(llama, tmp_path, monk
     monkeypatch.setattr(disk_tier, "QUEUE_BYTES", 2 * page_bytes)
     prompt = list(range(10, 10 + 8 * PS))
     serve(rpc, model, tok, prompt)
+    # Gathered (a copy in device memory) only as much as the queue takes; the rest is
+    # remembered once, to the request's deepest page.
+    assert sum(len(pending[3]) for pending in rpc.tiering._pending) == 2
+    [(key, tokens)] = rpc.tiering._missed  # the prompt and its answer's whole pages
+    assert key == KEY and tokens[: len(prompt)] == tuple(prompt) and len(tokens) % PS == 0
     rpc.tiering.pump(everything=True)
-    assert rpc.stats()["disk_writes_dropped"] > 0
+    assert rpc.stats()["disk_writes_dropped"] == len(tokens) // PS - 2
     gate.set()
     rpc.tiering.disk.flush(10)
     monkeypatch.setattr(disk_tier, "QUEUE_BYTES", 1 << 30)
@@ -230,8 +234,6 @@ def test_writes_a_full_queue_dropped_are_retried_when_idle(llama, tmp_path, monk
 
 
 def test_preload_reads_the_most_recent_unsalted_prompts_up_to_a_limit(llama, tmp_path):
-    import time
-
     model, tok = llama
     older, newer = list(range(10, 10 + 8 * PS)), list(range(100, 100 + 8 * PS))
     salted = (*KEY, ("cache_salt", "a"))
@@ -274,3 +276,37 @@ def test_a_restore_with_no_room_leaves_the_match_whole(llama, tmp_path):
     rpc.pool.release_pages(held)
     assert idle(rpc.stats())
     stop(rpc)
+
+
+def test_a_clean_stop_writes_the_whole_tree_through_a_small_queue(llama, tmp_path, monkeypatch):
+    from mlx_radix_plugin.memory import disk_tier
+
+    model, tok = llama
+    prompts = [list(range(b, b + 12 * PS)) for b in (10, 100)]
+    rpc = with_disk(model, tmp_path)
+    tiering, rpc.tiering = rpc.tiering, None
+    for prompt in prompts:  # in the tree, not on disk (as writes a full queue dropped)
+        serve(rpc, model, tok, prompt)
+    rpc.tiering = tiering
+    monkeypatch.setattr(disk_tier, "QUEUE_BYTES", 2 * rpc.pool.bytes_per_page)
+    write = tiering.disk._write_page
+    monkeypatch.setattr(tiering.disk, "_write_page", lambda *a: time.sleep(0.01) or write(*a))
+    written = tiering.save_tree(rpc.tree, time.monotonic() + 30)
+    assert written >= 24
+    for prompt in prompts:
+        assert tiering.disk.stored(tiering.hashes(KEY, prompt, 12)) == 12
+    stop(rpc)
+
+
+def test_a_clean_stop_keeps_its_deadline(llama, tmp_path, monkeypatch):
+    model, tok = llama
+    rpc = with_disk(model, tmp_path)
+    tiering, rpc.tiering = rpc.tiering, None
+    serve(rpc, model, tok, list(range(10, 10 + 40 * PS)))
+    rpc.tiering = tiering
+    write = tiering.disk._write_page
+    monkeypatch.setattr(tiering.disk, "_write_page", lambda *a: time.sleep(0.1) or write(*a))
+    began = time.monotonic()
+    written = tiering.save_tree(rpc.tree, began + 0.5)
+    assert time.monotonic() - began < 0.5 + 0.3 and 0 < written < 40
+    tiering.disk.close(0)

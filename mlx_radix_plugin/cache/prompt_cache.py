@@ -335,6 +335,7 @@ class RadixPromptCache:
             self.tree.unlock(node)
         return node is not None
 
+    @_locked  # ``unpin`` runs on an HTTP thread
     def pinned_pages(self, extra: tuple[Hashable, Sequence[int]] | None = None) -> int:
         """Distinct pages the pins hold (pins share pages where their prompts do), with
         ``extra`` (a model key and tokens) pinned too: its pages the tree has, and one a
@@ -527,10 +528,15 @@ POOL_STATS: dict[str, Callable[[RadixPromptCache], int]] = {
     "snapshot_hits": lambda c: c.snapshots.hits,
     "snapshot_evictions": lambda c: c.snapshots.evictions,
     # The disk tier (memory/disk_tier.py); 0 when it is off.
-    **{
-        key: (lambda c, key=key: c.tiering.disk.stats()[key] if c.tiering is not None else 0)
-        for key in DISK_STATS
-    },
+    **{key: (lambda c, key=key: _disk_stat(c.tiering, key)) for key in DISK_STATS},
     # Fetches that computed pages the disk held: computing them was measured faster.
-    "disk_restores_skipped": lambda c: c.tiering.skipped if c.tiering is not None else 0,
+    "disk_restores_skipped": lambda c: _disk_stat(c.tiering, "skipped"),
 }
+
+
+def _disk_stat(tiering: Tiering | None, key: str) -> int | float:
+    """A disk stat, 0 with no tier (read once: a shutdown or a new model drops it while the
+    stats are read on an HTTP thread)."""
+    if tiering is None:
+        return 0
+    return tiering.skipped if key == "skipped" else tiering.disk.stats()[key]

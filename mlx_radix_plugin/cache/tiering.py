@@ -26,13 +26,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable, Sequence
+from dataclasses import astuple
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..memory.allocator import OutOfPages
-from ..memory.disk_tier import DiskTier, chain_seed, page_hashes
+from ..memory.disk_tier import FORMAT, DiskTier, chain_seed, page_hashes
+from ..memory.fingerprint import model_fingerprint
 from ..memory.pool import KVPool, page_slots
 from ..memory.radix_tree import MatchResult, RadixTree
 
@@ -44,6 +48,20 @@ TAGS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
 
 def disk_dtype_supported(dtype: mx.Dtype) -> bool:
     return dtype in TAGS
+
+
+def disk_identity(model: nn.Module, pool: KVPool) -> dict:
+    """What pages on disk must have been computed by to be used with ``model`` in
+    ``pool``: the model (weights and settings), the K/V's dtype, page size and layers, and
+    the versions of mlx-lm and of the file format."""
+    return {
+        "model": model_fingerprint(model),
+        "kv_dtype": str(pool.dtype),
+        "page_size": pool.page_size,
+        "layers": [list(astuple(s)) for s in pool.specs],
+        "mlx_lm": mlx_lm.__version__,
+        "format": FORMAT,
+    }
 
 
 # The prefill probe at load: prompts of 16, 32, ... tokens until one takes this long (or
@@ -93,10 +111,10 @@ class Tiering:
         self.prefill_rate = prefill_rate
         self.read_rate: float | None = None  # seconds a page, restores' moving average
         self.skipped = 0  # fetches that computed what the disk held, being faster
-        self._seeds: dict[Hashable, bytes] = {}
         # (pump, namespace, tokens, pages' metadata, their arrays): gathers not yet written
         self._pending: list[tuple[int, Hashable, tuple[int, ...], list, list]] = []
         self._pending_keys: set[str] = set()  # their pages' hashes
+        self._pending_bytes = 0  # and their bytes
         self._pumps = 0
         # Pages whose write the full queue dropped, as (namespace, tokens to their end):
         # written from the tree, if it still holds them, when the server is idle (``retry``).
@@ -105,17 +123,15 @@ class Tiering:
     # -- hashes ----------------------------------------------------------------------
 
     def seed(self, namespace: Hashable) -> bytes:
-        seed = self._seeds.get(namespace)
-        if seed is None:
-            base = self.model_key
-            extra = namespace
-            if isinstance(base, tuple) and isinstance(namespace, tuple):
-                if namespace[: len(base)] == base:
-                    extra = namespace[len(base) :]  # the identity covers the model itself
-            elif namespace == base:
-                extra = ()
-            seed = self._seeds[namespace] = chain_seed(extra)
-        return seed
+        # Not memoized: one namespace a cache salt, and salts may be one a user (a hash
+        # costs about a microsecond).
+        base, extra = self.model_key, namespace
+        if isinstance(base, tuple) and isinstance(namespace, tuple):
+            if namespace[: len(base)] == base:
+                extra = namespace[len(base) :]  # the identity covers the model itself
+        elif namespace == base:
+            extra = ()
+        return chain_seed(extra)
 
     def hashes(self, namespace: Hashable, tokens: Sequence[int], n_pages: int) -> list[str]:
         return page_hashes(self.seed(namespace), tokens, n_pages, self.pool.page_size)
@@ -123,22 +139,37 @@ class Tiering:
     # -- writes ----------------------------------------------------------------------
 
     def save(
-        self, namespace: Hashable, tokens: Sequence[int], pages: Sequence[int], first: int
+        self,
+        namespace: Hashable,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        first: int,
+        again: bool = False,
     ) -> None:
         """Queue the whole pages ``first..`` of ``tokens`` (held in ``pages``) that the disk
-        lacks: gathered now, behind the pass that wrote them, written later."""
+        lacks: gathered now, behind the pass that wrote them, written later. Pages before
+        ``first`` (the pool's hit) are marked used on disk too. ``again``: pages written
+        once more after a drop (not counted as dropped twice)."""
         if not self.disk.enabled:
             return
         ps = self.pool.page_size
         n = min(len(tokens) // ps, len(pages))
-        if n <= first:
-            return
         keys = self.hashes(namespace, tokens, n)
+        self.disk.touch(keys[:first])
         todo = [
             i
             for i in range(first, n)
             if keys[i] not in self._pending_keys and not self.disk.has(keys[i])
         ]
+        # No more than the write queue takes: a gather is a copy in device memory, outside
+        # the pool's plan, and what the queue cannot take it drops (one retry of 992 pages
+        # once gathered them all to queue 8). The rest is written when idle (``retry``).
+        room = self.disk.room() - self._pending_bytes
+        most = max(0, room // self.pool.bytes_per_page)
+        if len(todo) > most:
+            self.disk.counters.writes_dropped += 0 if again else len(todo) - most
+            self._miss(namespace, tokens[: (todo[-1] + 1) * ps])
+            todo = todo[:most]
         if not todo:
             return
         meta = [
@@ -157,6 +188,7 @@ class Tiering:
             self.pool.reading()
         self._pending.append((self._pumps, namespace, tuple(tokens[: n * ps]), meta, arrays))
         self._pending_keys.update(m[0] for m in meta)
+        self._pending_bytes += len(todo) * self.pool.bytes_per_page
 
     def pump(self, everything: bool = False) -> None:
         """Hand the gathers that have run to the writer: those queued before the step that
@@ -172,16 +204,27 @@ class Tiering:
         for _, namespace, prefix, meta, arrays in ready:
             mx.eval(arrays)  # a no-op unless ``everything``: they have run
             host = [np.asarray(a) for a in arrays]
+            dropped = 0
             for j, (key, parent, depth, tokens) in enumerate(meta):
                 tensors = {}
                 for layer in range(self.pool.num_layers):
                     k, v = host[2 * layer], host[2 * layer + 1]
                     tensors[f"k.{layer}"] = (self.tag, k[j * ps : (j + 1) * ps])
                     tensors[f"v.{layer}"] = (self.tag, v[j * ps : (j + 1) * ps])
-                if not self.disk.put(key, parent, depth, tokens, tensors) and self.disk.enabled:
-                    if len(self._missed) < MISSED_MOST:
-                        self._missed[(namespace, prefix[: (depth + 1) * ps])] = None
+                if not self.disk.put(key, parent, depth, tokens, tensors):
+                    dropped = depth + 1
                 self._pending_keys.discard(key)
+            self._pending_bytes -= len(meta) * self.pool.bytes_per_page
+            if dropped and self.disk.enabled:
+                self._miss(namespace, prefix[: dropped * ps])
+
+    def _miss(self, namespace: Hashable, tokens: Sequence[int]) -> None:
+        """Remember to write the pages up to the end of ``tokens`` when idle: one entry a
+        request, to its deepest dropped page (a retry writes every page before it the disk
+        lacks; an entry a page held a copy of the prompt each, 2 million tokens for one of
+        4,000)."""
+        if len(self._missed) < MISSED_MOST:
+            self._missed[(namespace, tuple(tokens))] = None
 
     def retry(self, tree: RadixTree) -> bool:
         """Queue again the pages the full queue dropped that the tree still holds, as far
@@ -191,7 +234,7 @@ class Tiering:
             (namespace, tokens), _ = self._missed.popitem()
             pages = tree.cached_pages(namespace, tokens)
             if pages is not None:
-                self.save(namespace, tokens, pages, 0)
+                self.save(namespace, tokens, pages, 0, again=True)
                 self.pump(everything=True)
         return bool(self._missed)
 
@@ -200,12 +243,18 @@ class Tiering:
         ``deadline`` (``time.monotonic()``); returns the pages queued."""
         before = self.disk.counters.pages_written
         self.pump(everything=True)
-        self.disk.flush(max(0.0, deadline - time.monotonic()))
+        self._missed.clear()  # the walk below covers them
         for namespace, tokens, pages in tree.sequences():
-            if time.monotonic() > deadline:
+            # A sequence longer than the queue takes goes in parts, each once the writer
+            # has made room for it.
+            while self.disk.wait_for_room(deadline):
+                self.save(namespace, tokens, pages, 0, again=True)
+                self.pump(everything=True)
+                if not self._missed:
+                    break
+                self._missed.clear()
+            if time.monotonic() > deadline or not self.disk.enabled:
                 break
-            self.save(namespace, tokens, pages, 0)
-            self.pump(everything=True)
         self.disk.flush(max(0.0, deadline - time.monotonic()))
         return self.disk.counters.pages_written - before
 

@@ -64,6 +64,17 @@ READERS = min(8, os.cpu_count() or 1)
 # When the budget is exceeded, entries go until this share of it is used, so that a full
 # tier does not evict on every write.
 LOW_WATER = 0.9
+# A use refreshes a file's modification time (the LRU order a restart reads) once in this
+# long: a prompt's hit touches each of its pages, thousands for a long one.
+SYNC_SECONDS = 60.0
+# Files kept in ``quarantine/`` (a flaky disk must not fill it): the oldest go first.
+QUARANTINE_MOST = 64
+# A temporary file older than this is a write a kill interrupted, whatever process named it
+# (a live write takes milliseconds; another live process's is left alone, see ``_scan``).
+STALE_TMP_SECONDS = 60
+# What a header that fails its checks raises: not a page, a miss (an OSError is the disk's,
+# not the file's: a miss too, but the file stays).
+BAD_FILE = (ValueError, KeyError, TypeError, RecursionError)
 
 
 # What ``DiskTier.stats`` reports (the server's stats and metrics show them).
@@ -112,7 +123,8 @@ class Entry:
     parent: str
     depth: int  # pages before this one in its chain
     nbytes: int
-    stamp: float  # last use (the file's modification time)
+    stamp: float  # last use
+    synced: float = 0.0  # the last use the file's modification time says
 
 
 @dataclass
@@ -164,6 +176,30 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def _unlink(paths: Sequence[Path]) -> None:
+    """Delete ``paths``; one that cannot be deleted stays (the index has let go of it)."""
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _abandoned(tmp: Path) -> bool:
+    """Whether temporary file ``tmp`` (``NAME.tmpPID``) is a write that will never finish:
+    its process is gone, or it is old. Another process's live write (``mlx-radix cache
+    warm`` beside a server) is left alone."""
+    try:
+        if time.time() - tmp.stat().st_mtime > STALE_TMP_SECONDS:
+            return True
+        os.kill(int(tmp.name.rpartition(".tmp")[2]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):  # PermissionError: alive, another user's
+        return False
+    return False
+
+
 class DiskTier:
     def __init__(
         self,
@@ -192,17 +228,19 @@ class DiskTier:
         self._queued_bytes = 0
         self._wake = threading.Condition(self._lock)
         self._idle = threading.Condition(self._lock)
+        self._room = threading.Condition(self._lock)
         self._busy = False
         self._closing = False
+        self._touched: dict[str, float] = {}  # stamps refreshed in memory, not yet on disk
+        self._read_failing = False  # an OSError on a read has been logged
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            record = self.dir / "identity.json"
-            if about is not None or not record.exists():
-                text = json.dumps({"identity": self.identity, **dict(about or {})}, indent=1)
-                self._write_atomic(record, text)
+            self._record = json.dumps({"identity": self.identity, **dict(about or {})}, indent=1)
+            if about is not None or not (self.dir / "identity.json").exists():
+                self._write_atomic(self.dir / "identity.json", self._record)
+            self._scan()
         except OSError as e:
             raise DiskTierOff(f"{self.dir} cannot be written: {e.strerror or e}") from None
-        self._scan()
         self._thread = threading.Thread(target=self._writer, name="mlx-radix-disk", daemon=True)
         self._thread.start()
 
@@ -268,8 +306,7 @@ class DiskTier:
         for sub in sorted(p for p in self.dir.iterdir() if p.is_dir() and len(p.name) == 2):
             for path in sub.iterdir():
                 if path.suffix != SUFFIX:
-                    # A write a kill interrupted: never renamed, never read.
-                    if ".tmp" in path.name:
+                    if ".tmp" in path.name and _abandoned(path):
                         path.unlink(missing_ok=True)
                     continue
                 try:
@@ -281,13 +318,17 @@ class DiskTier:
                     if path.name != key + SUFFIX:
                         raise ValueError("named for another hash")
                     stat = path.stat()
-                    entry = Entry(meta["parent"], int(meta["depth"]), stat.st_size, stat.st_mtime)
-                except (OSError, ValueError, KeyError, TypeError) as e:
+                    parent = meta["parent"]
+                    if not isinstance(parent, str) or not isinstance(key, str):
+                        raise ValueError("hashes are not strings")
+                    mtime = stat.st_mtime
+                    entry = Entry(parent, int(meta["depth"]), stat.st_size, mtime, synced=mtime)
+                except (OSError, *BAD_FILE) as e:
                     self._quarantine(path, f"unreadable at start ({e})")
                     continue
                 self._add(key, entry)
         self._drop_orphans()
-        self._evict_over_budget()
+        _unlink(self._evict_over_budget())
 
     def _add(self, key: str, entry: Entry) -> None:
         self._entries[key] = entry
@@ -338,19 +379,18 @@ class DiskTier:
         except FileNotFoundError:
             self._forget(key)
             return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except OSError as e:
+            # The disk's trouble, not the file's (too many open files, an I/O error): a
+            # miss that changes nothing on disk, logged once.
+            if not self._read_failing:
+                self._read_failing = True
+                log.warning("disk tier: reading %s failed (%s): a miss", path.name, e)
+            return None
+        except BAD_FILE as e:
             self._quarantine(path, str(e))
             self._forget(key)
             return None
-        now = time.time()
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.stamp = now
-        try:
-            os.utime(path, (now, now))  # the LRU order survives a restart
-        except OSError:
-            pass
+        self.touch([key])
         return out
 
     def read_chain(
@@ -369,16 +409,34 @@ class DiskTier:
     def _quarantine(self, path: Path, why: str) -> None:
         self.counters.corrupt += 1
         log.warning("disk tier: %s is not a valid page (%s): moved aside, a miss", path.name, why)
+        aside = self.dir / "quarantine"
         try:
-            aside = self.dir / "quarantine"
             aside.mkdir(exist_ok=True)
             os.replace(path, aside / path.name)
+            kept = sorted(aside.iterdir(), key=lambda p: p.stat().st_mtime)
+            _unlink(kept[:-QUARANTINE_MOST])
         except OSError:
-            path.unlink(missing_ok=True)
+            _unlink([path])  # where it cannot be moved either, the index forgets it
 
     def _forget(self, key: str) -> None:
         with self._lock:
-            self._drop(key, unlink=False)
+            doomed = self._drop(key, unlink=False)
+        _unlink(doomed)
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Mark the stored ``keys`` as just used (pages the pool hit, a read): in the LRU
+        order now, on disk (the files' times) by the writer."""
+        now = time.time()
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    entry.stamp = now
+                    if now - entry.synced > SYNC_SECONDS:
+                        entry.synced = now
+                        self._touched[key] = now
+            if self._touched:
+                self._wake.notify()
 
     # -- writes ----------------------------------------------------------------------
 
@@ -409,8 +467,23 @@ class DiskTier:
 
     def has_room(self) -> bool:
         """Whether the write queue is under half full (and the tier on)."""
+        return self.room() > QUEUE_BYTES - QUEUE_BYTES // 2
+
+    def room(self) -> int:
+        """Bytes the write queue takes before it drops writes (0 with the tier off)."""
         with self._lock:
-            return self.off_reason is None and self._queued_bytes < QUEUE_BYTES // 2
+            return 0 if self.off_reason is not None else max(0, QUEUE_BYTES - self._queued_bytes)
+
+    def wait_for_room(self, deadline: float) -> bool:
+        """Wait until the write queue is at most half full, or until ``deadline``
+        (``time.monotonic()``); whether it is (and the tier on)."""
+        with self._lock:
+            while self.off_reason is None and self._queued_bytes > QUEUE_BYTES // 2:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._room.wait(left)
+            return self.off_reason is None and self._queued_bytes <= QUEUE_BYTES // 2
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is on disk; False if ``timeout`` ran out first."""
@@ -438,30 +511,56 @@ class DiskTier:
     def _writer(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closing:
+                while not self._queue and not self._touched and not self._closing:
                     self._idle.notify_all()
                     self._wake.wait()
                 if self._closing:
                     self._idle.notify_all()
                     return
-                job = self._queue.popleft()
+                touched, self._touched = self._touched, {}
+                job = self._queue.popleft() if self._queue else None
+                # A page whose parent went (the budget evicted it while this one waited)
+                # could never be reached: not written.
+                orphan = job is not None and job[1] and job[1] not in self._entries
+                orphan = orphan and job[1] not in self._queued
                 self._busy = True
-            key, parent, depth, tokens, tensors, nbytes = job
-            try:
-                size = self._write_page(key, parent, depth, tokens, tensors)
-            except OSError as e:
-                self._turn_off(f"writing {self.path_of(key)} failed: {e.strerror or e}")
-                size = None
+            for key, stamp in touched.items():
+                try:
+                    os.utime(self.path_of(key), (stamp, stamp))  # the LRU order survives a restart
+                except OSError:
+                    pass
+            doomed, size = [], None
+            if job is not None and not orphan:
+                key, parent, depth, tokens, tensors, nbytes = job
+                try:
+                    size = self._write_page(key, parent, depth, tokens, tensors)
+                except FileNotFoundError:
+                    # Our temporary file was removed under us (``cache clear`` while serving):
+                    # this write is lost, the tier is not at fault.
+                    self.counters.writes_dropped += 1
+                except Exception as e:  # a full or read-only disk, or anything unforeseen
+                    why = e.strerror if isinstance(e, OSError) and e.strerror else e
+                    self._turn_off(f"writing {self.path_of(key)} failed: {why}")
             with self._lock:
                 self._busy = False
-                self._queued.discard(key)
-                self._queued_bytes -= nbytes
-                if size is not None and self.off_reason is None:
-                    self._add(key, Entry(parent, depth, size, time.time()))
-                    self.counters.pages_written += 1
-                    self._evict_over_budget()
+                if job is not None:
+                    key, parent, depth, _, _, nbytes = job
+                    self._queued.discard(key)
+                    self._queued_bytes -= nbytes
+                    self._room.notify_all()
+                    if orphan:
+                        self.counters.writes_dropped += 1
+                    if size is not None and self.off_reason is None:
+                        now = time.time()
+                        self._add(key, Entry(parent, depth, size, now, synced=now))
+                        self.counters.pages_written += 1
+                        doomed = self._evict_over_budget()
                 if not self._queue:
                     self._idle.notify_all()
+            # Deleted outside the lock: thousands of unlinks would hold up the generation
+            # thread's lookups (612 took 38 ms). Only this thread writes files, and a page
+            # dropped here is no longer stored, so no write of it can be under way.
+            _unlink(doomed)
 
     def _write_page(self, key, parent, depth, tokens, tensors) -> int:
         metadata = {
@@ -474,13 +573,20 @@ class DiskTier:
         }
         head, pieces = _encode(tensors, metadata)
         path = self.path_of(key)
-        path.parent.mkdir(exist_ok=True)
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not (self.dir / "identity.json").exists():  # the tier's directory was removed
+                self._write_atomic(self.dir / "identity.json", self._record)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(head)
-            for piece in pieces:
-                f.write(piece)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                for piece in pieces:
+                    f.write(piece)
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink([tmp])  # a full disk keeps no half-written page
+            raise
         return len(head) + sum(p.nbytes for p in pieces)
 
     def _write_atomic(self, path: Path, text: str) -> None:
@@ -496,25 +602,29 @@ class DiskTier:
             self._queue.clear()
             self._queued.clear()
             self._queued_bytes = 0
+            self._room.notify_all()
         log.warning("disk tier off: %s; the server goes on without it", why)
 
     # -- budget ----------------------------------------------------------------------
 
-    def _evict_over_budget(self) -> None:
+    def _evict_over_budget(self) -> list[Path]:
         """Drop the least recently used leaves (a page no stored page follows), and the
         pages they leave as leaves, down to ``LOW_WATER`` of the budget: as the radix tree
-        evicts, so a page never goes before the pages after it. Called with the lock held."""
+        evicts, so a page never goes before the pages after it. Called with the lock held;
+        returns the files to delete."""
+        doomed: list[Path] = []
         if self._bytes <= self.budget_bytes:
-            return
+            return doomed
         target = self.budget_bytes * LOW_WATER
         heap = [(e.stamp, k) for k, e in self._entries.items() if k not in self._children]
         heapq.heapify(heap)
         while heap and self._bytes > target:
             _, key = heapq.heappop(heap)
             parent = self._entries[key].parent
-            self._drop(key, unlink=True)
+            doomed += self._drop(key, unlink=True)
             if parent in self._entries and parent not in self._children:
                 heapq.heappush(heap, (self._entries[parent].stamp, parent))
+        return doomed
 
     def _drop_orphans(self) -> None:
         """Drop the pages whose chain is broken (a page before them is gone): no lookup
@@ -525,11 +635,12 @@ class DiskTier:
             reachable.add(key)
             stack.extend(self._children.get(key, ()))
         for key in [k for k in self._entries if k not in reachable]:
-            self._drop(key, unlink=True)
+            _unlink(self._drop(key, unlink=True))
 
-    def _drop(self, key: str, unlink: bool) -> None:
-        """Remove ``key`` (its file too if ``unlink``) and the pages after it, files and all."""
-        stack = [(key, unlink)]
+    def _drop(self, key: str, unlink: bool) -> list[Path]:
+        """Remove ``key`` and the pages after it from the index; returns their files to
+        delete (``key``'s too if ``unlink``)."""
+        doomed, stack = [], [(key, unlink)]
         while stack:
             k, remove = stack.pop()
             entry = self._entries.pop(k, None)
@@ -543,7 +654,8 @@ class DiskTier:
                     del self._children[entry.parent]
             stack.extend((child, True) for child in self._children.pop(k, ()))
             if remove:
-                self.path_of(k).unlink(missing_ok=True)
+                doomed.append(self.path_of(k))
+        return doomed
 
     # -- whole tiers (the CLI) --------------------------------------------------------
 
@@ -570,21 +682,27 @@ def list_tiers(root: Path | str) -> list[dict]:
     if not root.is_dir():
         return out
     for d in sorted(p for p in root.iterdir() if p.is_dir()):
+        # A running server adds and evicts files while this reads: what is gone is skipped.
         try:
             record = json.loads((d / "identity.json").read_text())
+            subs = [sub for sub in d.iterdir() if sub.is_dir() and len(sub.name) == 2]
         except (OSError, ValueError):
             continue
-        subs = [sub for sub in d.iterdir() if sub.is_dir() and len(sub.name) == 2]
-        files = [f for sub in subs for f in sub.glob("*" + SUFFIX)]
-        out.append(
-            {
-                "id": d.name,
-                "dir": str(d),
-                "record": record,
-                "pages": len(files),
-                "bytes": sum(f.stat().st_size for f in files),
-            }
-        )
+        if not isinstance(record, dict):
+            continue
+        sizes = []
+        for sub in subs:
+            try:
+                files = list(sub.glob("*" + SUFFIX))
+            except OSError:
+                continue
+            for f in files:
+                try:
+                    sizes.append(f.stat().st_size)
+                except OSError:
+                    pass
+        tier = {"id": d.name, "dir": str(d), "record": record}
+        out.append({**tier, "pages": len(sizes), "bytes": sum(sizes)})
     return out
 
 

@@ -15,22 +15,24 @@ import os
 import shutil
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..cache.prompt_cache import RadixPromptCache, idle_stats
-from ..cache.tiering import Tiering, disk_dtype_supported, prefill_seconds_per_token
+from ..cache.tiering import (
+    Tiering,
+    disk_dtype_supported,
+    disk_identity,
+    prefill_seconds_per_token,
+)
 from ..config import Config, cache_dir
 from ..memory import ranks
 from ..memory.budget import buffer_cache_limit, device_memory
-from ..memory.disk_tier import FORMAT, DiskTier, DiskTierOff
-from ..memory.fingerprint import weights_fingerprint
+from ..memory.disk_tier import DiskTier, DiskTierOff, list_tiers
 from ..memory.pool import KVPool, UnsupportedModel, model_nbytes
 from .pins import PinError, Pins, prefill, read_pin_file
 
@@ -258,14 +260,10 @@ class ServerPromptCache:
             return None
         root = Path(cfg["radix.disk.dir"] or cache_dir() / "disk").expanduser()
         budget = cfg["radix.disk.bytes"] or default_disk_bytes(root)
-        identity = {
-            "weights": weights_fingerprint(model),
-            "kv_dtype": str(pool.dtype),
-            "page_size": pool.page_size,
-            "layers": [list(astuple(s)) for s in pool.specs],
-            "mlx_lm": mlx_lm.__version__,
-            "format": FORMAT,
-        }
+        if budget <= 0:
+            log.warning("disk tier off: no free space under %s", root)
+            return None
+        identity = disk_identity(model, pool)
         about = {
             "model": public_name(model_key[0] if isinstance(model_key, tuple) else model_key),
             "adapter": public_name(model_key[1]) if isinstance(model_key, tuple) else None,
@@ -416,7 +414,9 @@ def public_name(part: Any) -> Any:
 
 
 def default_disk_bytes(root: Path) -> int:
-    """A quarter of the free space of the file system ``root`` is on, at most 64 GiB."""
+    """A quarter of the space of the file system ``root`` is on that is free or holds disk
+    tiers already (else a full tier would shrink its own budget at each start), at most
+    64 GiB."""
     probe = root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -424,7 +424,8 @@ def default_disk_bytes(root: Path) -> int:
         free = shutil.disk_usage(probe).free
     except OSError:
         free = 0
-    return min(free // 4, 64 << 30)
+    held = sum(tier["bytes"] for tier in list_tiers(root))
+    return min((free + held) // 4, 64 << 30)
 
 
 def public_model_key(model_key: Hashable | None) -> list | None:

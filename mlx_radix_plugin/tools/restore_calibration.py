@@ -43,15 +43,14 @@ def measure(model, lengths: list[int], page_size: int, rounds: int, disk_root: P
     from mlx_lm.models.cache import make_prompt_cache
 
     from ..cache.prompt_cache import RadixPromptCache
-    from ..cache.tiering import Tiering, prefill_seconds_per_token
+    from ..cache.tiering import Tiering, disk_identity, prefill_seconds_per_token
     from ..memory.disk_tier import DiskTier
-    from ..memory.fingerprint import weights_fingerprint
     from ..memory.pool import KVPool
 
     began = time.perf_counter()
     probe = prefill_seconds_per_token(model)
     probe_s = time.perf_counter() - began
-    identity = {"weights": weights_fingerprint(model), "page_size": page_size}
+    identity = disk_identity(model, KVPool.for_model(model, page_size=page_size, pool_tokens=64))
     vocab = model.args.vocab_size
     step = 2048
 
