@@ -453,6 +453,12 @@ def started(name: str, model_dir: Path, work: Path, args):
         "radix": {
             "MLX_RADIX_POOL_TOKENS": str(args.pool_tokens),  # 0: the plugin's own memory plan
             "MLX_RADIX_DECODE_SHARED_PREFIX": args.shared_prefix,
+            # The disk tier writes every committed page through: what that costs the steps.
+            **(
+                {"MLX_RADIX_DISK_ENABLED": "1", "MLX_RADIX_DISK_DIR": str(work / "disk")}
+                if args.disk
+                else {}
+            ),
         },
     }[name]
     env = server_env(work / "hf", extra_env)
@@ -686,6 +692,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="the plugin's pool ceiling (default 0: its memory plan, as a user gets it)",
     )
+    p.add_argument(
+        "--disk",
+        action="store_true",
+        help="the plugin's disk tier on (a fresh one, under the run's work directory)",
+    )
     p.add_argument("--bandwidth-mib", type=int, default=4096, help="copy size for bandwidth")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -730,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_gb_s": round(args.bandwidth / 1e9, 1),
         "ranks": args.ranks,
         "backend": args.backend if args.ranks > 1 else None,
+        "disk": args.disk,
         "shapes": [],
     }
     print(f"copy bandwidth: {report['copy_bandwidth_gb_s']} GB/s on {report['device']}")
