@@ -141,6 +141,14 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "always"),
     ),
     Setting(
+        "radix.disk.write",
+        "auto",
+        "when pages go to disk: through (as they are committed), idle (when the server is "
+        "idle, and at shutdown), auto (through on a CPU, idle on a GPU, where writing "
+        "through slowed decode)",
+        choices=("auto", "through", "idle"),
+    ),
+    Setting(
         "radix.disk.preload_tokens",
         0,
         "at model load, read the most recently used prompts from disk into the pool, up to "

@@ -20,12 +20,13 @@ def llama(loaded):
     return loaded("llama")
 
 
-def with_disk(model, root, page_size=PS, pool_tokens=1024):
+def with_disk(model, root, page_size=PS, pool_tokens=1024, write="through"):
     """A prompt cache over a fresh pool, on the disk tier at ``root`` (a restart), under
     the identity the server gives it."""
     pool = KVPool.for_model(model, page_size=page_size, pool_tokens=pool_tokens)
     rpc = RadixPromptCache(pool)
-    rpc.tiering = Tiering(pool, DiskTier(root, disk_identity(model, pool), 1 << 30), KEY)
+    disk = DiskTier(root, disk_identity(model, pool), 1 << 30)
+    rpc.tiering = Tiering(pool, disk, KEY, write=write)
     return rpc
 
 
@@ -219,14 +220,14 @@ def test_writes_a_full_queue_dropped_are_retried_when_idle(llama, tmp_path, monk
     # Gathered (a copy in device memory) only as much as the queue takes; the rest is
     # remembered once, to the request's deepest page.
     assert sum(len(pending[3]) for pending in rpc.tiering._pending) == 2
-    [(key, tokens)] = rpc.tiering._missed  # the prompt and its answer's whole pages
+    [(key, tokens)] = rpc.tiering._later  # the prompt and its answer's whole pages
     assert key == KEY and tokens[: len(prompt)] == tuple(prompt) and len(tokens) % PS == 0
     rpc.tiering.pump(everything=True)
     assert rpc.stats()["disk_writes_dropped"] == len(tokens) // PS - 2
     gate.set()
     rpc.tiering.disk.flush(10)
     monkeypatch.setattr(disk_tier, "QUEUE_BYTES", 1 << 30)
-    rpc.tiering.retry(rpc.tree)  # what the server does when idle
+    rpc.tiering.write_later(rpc.tree)  # what the server does when idle
     rpc.tiering.disk.flush(10)
     keys = rpc.tiering.hashes(KEY, prompt, 8)
     assert rpc.tiering.disk.stored(keys) == 8
@@ -310,3 +311,21 @@ def test_a_clean_stop_keeps_its_deadline(llama, tmp_path, monkeypatch):
     written = tiering.save_tree(rpc.tree, began + 0.5)
     assert time.monotonic() - began < 0.5 + 0.3 and 0 < written < 40
     tiering.disk.close(0)
+
+
+def test_written_when_idle_only_once_idle_and_hit_after_a_restart(llama, tmp_path):
+    model, tok = llama
+    prompts = [list(range(b, b + 6 * PS)) for b in (10, 100)]
+    rpc = with_disk(model, tmp_path, write="idle")
+    for prompt in prompts:
+        serve(rpc, model, tok, prompt)
+    assert written(rpc) == 0  # busy: nothing gathered, nothing written
+    assert not rpc.tiering.write_later(rpc.tree)  # what the server does when idle
+    assert written(rpc) >= 12
+    stop(rpc)
+    again = with_disk(model, tmp_path, write="idle")
+    for prompt in prompts:
+        out, cached = serve(again, model, tok, prompt + [1])
+        assert cached >= len(prompt) and out == generate(model, tok, prompt + [1])
+    assert again.stats()["disk_hits"] == 2
+    stop(again)

@@ -275,15 +275,19 @@ class ServerPromptCache:
             return None
         restore = cfg["radix.disk.restore"]
         rate = prefill_seconds_per_token(model) if restore == "auto" else None
-        tiering = Tiering(pool, disk, model_key, restore=restore, prefill_rate=rate)
+        write = cfg["radix.disk.write"]
+        if write == "auto":  # see cache/tiering.py for what each cost where
+            write = "through" if mx.default_device() == mx.cpu else "idle"
+        tiering = Tiering(pool, disk, model_key, restore=restore, prefill_rate=rate, write=write)
         tiering.measure_reads()
         log.info(
-            "disk tier: %s, %d pages (%.1f MiB) found, budget %.1f GiB; a page read back in "
-            "%s, computed in %s",
+            "disk tier: %s, %d pages (%.1f MiB) found, budget %.1f GiB, written %s; a page "
+            "read back in %s, computed in %s",
             disk.dir,
             len(disk),
             disk.nbytes / 2**20,
             budget / 2**30,
+            "as committed" if write == "through" else "when idle",
             "(not measured)" if tiering.read_rate is None else f"{tiering.read_rate * 1e3:.2f} ms",
             "(not measured)" if rate is None else f"{rate * pool.page_size * 1e3:.2f} ms",
         )
@@ -350,7 +354,7 @@ class ServerPromptCache:
             if radix.tiering is not None:
                 radix.tiering.pump(everything=True)
                 with radix.pool.lock:
-                    radix.tiering.retry(radix.tree)
+                    radix.tiering.write_later(radix.tree)
         self.pins.run_jobs()
         if ranks.size() > 1:
             # Every rank is idle at once (mlx_lm.server shares rank 0's empty queue), and has
