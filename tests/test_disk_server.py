@@ -87,10 +87,11 @@ def test_a_restart_after_sigterm_hits_on_disk_and_answers_as_stock(start, tmp_pa
     assert stats["disk_enabled"] == 1 and stats["disk_corrupt"] == 0
 
 
-def test_after_a_kill_what_was_written_is_used(start, tmp_path):
+@pytest.mark.parametrize("write", ["through", "idle"])
+def test_after_a_kill_what_was_written_is_used(start, tmp_path, write):
     questions = ["Where is Oslo?", "Where is Bern?"]
     expected = stock_answers(start, questions)
-    env = disk_env(tmp_path / "disk")
+    env = disk_env(tmp_path / "disk", MLX_RADIX_DISK_WRITE=write)
     with start(env) as server:
         ask(server, questions[0])
         written = wait_written(server)["disk_pages"]
