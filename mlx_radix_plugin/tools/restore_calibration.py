@@ -83,7 +83,7 @@ def measure(model, lengths: list[int], page_size: int, rounds: int, disk_root: P
         writer.insert_cache(KEY, prompt, caches)
         del caches
         writer.tiering.pump(everything=True)
-        while writer.tiering.retry(writer.tree):  # a long prompt outruns the write queue
+        while writer.tiering.write_later(writer.tree):  # a long prompt outruns the write queue
             writer.tiering.disk.flush(600)
         written = writer.tiering.disk.flush(600)
         writer.tiering.disk.close()
