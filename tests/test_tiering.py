@@ -3,6 +3,7 @@ eviction, and only for the model, page size and salt that wrote them."""
 
 import time
 
+import numpy as np
 import pytest
 from test_generation import KEY, generate
 from test_prompt_cache import idle
@@ -220,8 +221,10 @@ def test_writes_a_full_queue_dropped_are_retried_when_idle(llama, tmp_path, monk
     # Gathered (a copy in device memory) only as much as the queue takes; the rest is
     # remembered once, to the request's deepest page.
     assert sum(len(pending[3]) for pending in rpc.tiering._pending) == 2
-    [(key, tokens)] = rpc.tiering._later  # the prompt and its answer's whole pages
-    assert key == KEY and tokens[: len(prompt)] == tuple(prompt) and len(tokens) % PS == 0
+    [((key, data), n)] = rpc.tiering._later.items()  # the prompt and its answer's pages
+    tokens = np.frombuffer(data, dtype="<i4").tolist()
+    assert key == KEY and tokens[: len(prompt)] == prompt and n == len(tokens)
+    assert n % PS == 0
     rpc.tiering.pump(everything=True)
     assert rpc.stats()["disk_writes_dropped"] == len(tokens) // PS - 2
     gate.set()
@@ -329,3 +332,17 @@ def test_written_when_idle_only_once_idle_and_hit_after_a_restart(llama, tmp_pat
         assert cached >= len(prompt) and out == generate(model, tok, prompt + [1])
     assert again.stats()["disk_hits"] == 2
     stop(again)
+
+
+def test_prompts_remembered_for_later_keep_the_newest_within_a_bound(llama, tmp_path, monkeypatch):
+    from mlx_radix_plugin.cache import tiering
+
+    monkeypatch.setattr(tiering, "LATER_MOST_TOKENS", 25)
+    rpc = with_disk(llama[0], tmp_path, write="idle")
+    prompts = [list(range(b, b + 10)) for b in (10, 100, 200, 300)]
+    for prompt in prompts + [prompts[-1]]:
+        rpc.tiering._remember(KEY, prompt)
+    assert rpc.tiering._later_tokens == 20
+    assert [rpc.tiering._recall()[1] for _ in range(2)] == prompts[:1:-1]
+    assert not rpc.tiering._later and rpc.tiering._later_tokens == 0
+    stop(rpc)

@@ -79,8 +79,9 @@ def disk_identity(model: nn.Module, pool: KVPool) -> dict:
 # PROBE_MOST_TOKENS): long enough for a GPU's rate at a real prompt, short on a CPU.
 PROBE_SECONDS = 0.25
 PROBE_MOST_TOKENS = 2048
-# Prompts remembered to be written when idle, at most (a burst far beyond the disk's pace).
-LATER_MOST = 4096
+# Tokens of the prompts remembered to be written when idle, at most (16 MiB as int32): a busy
+# spell of long prompts (an agent's 30,000 tokens a turn) must not grow it without bound.
+LATER_MOST_TOKENS = 1 << 22
 # Weight of the newest restore in the read rate's moving average.
 READ_RATE_WEIGHT = 0.3
 
@@ -133,8 +134,10 @@ class Tiering:
         self._pumps = 0
         # Prompts whose pages are to be written when the server is idle (``write_later``),
         # from the tree if it still holds them: writes the full queue dropped, and in
-        # ``idle`` mode every commit.
-        self._later: dict[tuple[Hashable, tuple[int, ...]], None] = {}
+        # ``idle`` mode every commit. Keyed by namespace and tokens (int32 bytes), oldest
+        # first, with their count of tokens.
+        self._later: dict[tuple[Hashable, bytes], int] = {}
+        self._later_tokens = 0
 
     # -- hashes ----------------------------------------------------------------------
 
@@ -242,16 +245,33 @@ class Tiering:
         """Remember to write the pages up to the end of ``tokens`` when idle: one entry a
         request, to its deepest page (``write_later`` writes every page before it the disk
         lacks; an entry a page held a copy of the prompt each, 2 million tokens for one of
-        4,000)."""
-        if len(self._later) >= LATER_MOST:
-            del self._later[next(iter(self._later))]  # the oldest: the newest go first
-        self._later[(namespace, tuple(tokens))] = None
+        4,000). Past ``LATER_MOST_TOKENS`` the oldest are forgotten."""
+        key = (namespace, np.asarray(tokens, dtype="<i4").tobytes())
+        if key in self._later:
+            return
+        self._later[key] = len(tokens)
+        self._later_tokens += len(tokens)
+        while self._later_tokens > LATER_MOST_TOKENS and len(self._later) > 1:
+            self._later_tokens -= self._later.pop(next(iter(self._later)))
+
+    def _recall(self) -> tuple[Hashable, list[int]]:
+        """The newest prompt remembered for later, forgotten."""
+        (namespace, data), n = self._later.popitem()
+        self._later_tokens -= n
+        return namespace, np.frombuffer(data, dtype="<i4").tolist()
+
+    def _forget_later(self) -> bool:
+        """Forget every prompt remembered for later; whether there was one."""
+        had = bool(self._later)
+        self._later.clear()
+        self._later_tokens = 0
+        return had
 
     def write_later(self, tree: RadixTree) -> bool:
         """Queue the pages remembered for later that the tree still holds, as far as the
         queue has room (on the generation thread, while idle); whether any are left."""
         while self._later and self.disk.has_room():
-            (namespace, tokens), _ = self._later.popitem()
+            namespace, tokens = self._recall()
             pages = tree.cached_pages(namespace, tokens)
             if pages is not None:
                 self.save(namespace, tokens, pages, 0, later=True)
@@ -263,16 +283,15 @@ class Tiering:
         ``deadline`` (``time.monotonic()``); returns the pages queued."""
         before = self.disk.counters.pages_written
         self.pump(everything=True)
-        self._later.clear()  # the walk below covers them
+        self._forget_later()  # the walk below covers them
         for namespace, tokens, pages in tree.sequences():
             # A sequence longer than the queue takes goes in parts, each once the writer
             # has made room for it.
             while self.disk.wait_for_room(deadline):
                 self.save(namespace, tokens, pages, 0, later=True)
                 self.pump(everything=True)
-                if not self._later:
+                if not self._forget_later():
                     break
-                self._later.clear()
             if time.monotonic() > deadline or not self.disk.enabled:
                 break
         self.disk.flush(max(0.0, deadline - time.monotonic()))
