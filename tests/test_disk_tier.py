@@ -3,6 +3,7 @@
 import errno
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -195,6 +196,21 @@ def test_a_tier_whose_directory_was_removed_writes_again(tmp_path):
     keys = chain(tier, list(range(100, 100 + PS)))
     assert tier.enabled and tier.path_of(keys[0]).exists()
     assert [t["record"]["model"] for t in list_tiers(tmp_path)] == ["m"]
+    tier.close()
+
+
+def test_a_tier_whose_root_is_gone_turns_off(tmp_path, caplog):
+    # A volume unmounted under the server: its mount point stays, the tier's root does not.
+    # The tier must not make its root again on whatever file system is left there.
+    tier = DiskTier(tmp_path / "volume" / "disk", IDENTITY, 1 << 20)
+    chain(tier, list(range(PS)))
+    shutil.rmtree(tmp_path / "volume" / "disk")
+    keys = page_hashes(chain_seed(()), list(range(100, 100 + PS)), 1, PS)
+    with caplog.at_level(logging.WARNING, "mlx_radix"):
+        tier.put(keys[0], "", 0, list(range(100, 100 + PS)), page(0))
+        tier.flush(5)
+    assert not tier.enabled and "is gone" in tier.off_reason
+    assert not (tmp_path / "volume" / "disk").exists()
     tier.close()
 
 

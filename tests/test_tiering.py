@@ -21,12 +21,12 @@ def llama(loaded):
     return loaded("llama")
 
 
-def with_disk(model, root, page_size=PS, pool_tokens=1024, write="through"):
+def with_disk(model, root, page_size=PS, pool_tokens=1024, write="through", budget=1 << 30):
     """A prompt cache over a fresh pool, on the disk tier at ``root`` (a restart), under
     the identity the server gives it."""
     pool = KVPool.for_model(model, page_size=page_size, pool_tokens=pool_tokens)
     rpc = RadixPromptCache(pool)
-    disk = DiskTier(root, disk_identity(model, pool), 1 << 30)
+    disk = DiskTier(root, disk_identity(model, pool), budget)
     rpc.tiering = Tiering(pool, disk, KEY, write=write)
     return rpc
 
@@ -282,7 +282,10 @@ def test_a_restore_with_no_room_leaves_the_match_whole(llama, tmp_path):
     stop(rpc)
 
 
-def test_a_clean_stop_writes_the_whole_tree_through_a_small_queue(llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("queue_pages", [2, 0.5])
+def test_a_clean_stop_writes_the_whole_tree_through_a_small_queue(
+    llama, tmp_path, monkeypatch, queue_pages
+):
     from mlx_radix_plugin.memory import disk_tier
 
     model, tok = llama
@@ -292,7 +295,8 @@ def test_a_clean_stop_writes_the_whole_tree_through_a_small_queue(llama, tmp_pat
     for prompt in prompts:  # in the tree, not on disk (as writes a full queue dropped)
         serve(rpc, model, tok, prompt)
     rpc.tiering = tiering
-    monkeypatch.setattr(disk_tier, "QUEUE_BYTES", 2 * rpc.pool.bytes_per_page)
+    # Half a page: a queue smaller than one page takes one page once it is empty.
+    monkeypatch.setattr(disk_tier, "QUEUE_BYTES", int(queue_pages * rpc.pool.bytes_per_page))
     write = tiering.disk._write_page
     monkeypatch.setattr(tiering.disk, "_write_page", lambda *a: time.sleep(0.01) or write(*a))
     written = tiering.save_tree(rpc.tree, time.monotonic() + 30)
@@ -334,7 +338,9 @@ def test_written_when_idle_only_once_idle_and_hit_after_a_restart(llama, tmp_pat
     stop(again)
 
 
-def test_prompts_remembered_for_later_keep_the_newest_within_a_bound(llama, tmp_path, monkeypatch):
+def test_prompts_remembered_for_later_keep_the_newest_and_go_oldest_first(
+    llama, tmp_path, monkeypatch
+):
     from mlx_radix_plugin.cache import tiering
 
     monkeypatch.setattr(tiering, "LATER_MOST_TOKENS", 25)
@@ -343,6 +349,56 @@ def test_prompts_remembered_for_later_keep_the_newest_within_a_bound(llama, tmp_
     for prompt in prompts + [prompts[-1]]:
         rpc.tiering._remember(KEY, prompt)
     assert rpc.tiering._later_tokens == 20
-    assert [rpc.tiering._recall()[1] for _ in range(2)] == prompts[:1:-1]
+    assert [rpc.tiering._recall()[1] for _ in range(2)] == prompts[2:]
     assert not rpc.tiering._later and rpc.tiering._later_tokens == 0
+    stop(rpc)
+
+
+def test_pages_larger_than_the_queue_are_written_one_at_a_time(llama, tmp_path, monkeypatch):
+    from mlx_radix_plugin.memory import disk_tier
+
+    model, tok = llama
+    rpc = with_disk(model, tmp_path)
+    monkeypatch.setattr(disk_tier, "QUEUE_BYTES", rpc.pool.bytes_per_page // 2)
+    prompt = list(range(10, 10 + 8 * PS))
+    serve(rpc, model, tok, prompt)
+    for _ in range(40):  # each idle write takes one page (and never spins)
+        rpc.tiering.pump(everything=True)
+        assert rpc.tiering.disk.flush(10)
+        if not rpc.tiering.write_later(rpc.tree):
+            break
+    assert rpc.tiering.disk.stored(rpc.tiering.hashes(KEY, prompt, 8)) == 8
+    stop(rpc)
+
+
+def test_a_prompt_longer_than_half_the_budget_is_written_once_up_to_it(llama, tmp_path):
+    model, tok = llama
+    first = with_disk(model, tmp_path)
+    serve(first, model, tok, list(range(500, 500 + PS)))
+    stop(first)
+    file_bytes = first.tiering.disk.nbytes // len(first.tiering.disk)
+    rpc = with_disk(model, tmp_path, budget=11 * file_bytes)  # 4 pages a chain at most
+    prompt = list(range(10, 10 + 12 * PS))
+    serve(rpc, model, tok, prompt)
+    written(rpc)
+    keys = rpc.tiering.hashes(KEY, prompt, 12)
+    assert rpc.tiering.disk.stored(keys) == 4
+    before = rpc.tiering.disk.counters.pages_written
+    assert not rpc.tiering.write_later(rpc.tree)
+    assert written(rpc) == before and rpc.tiering.disk.nbytes <= 11 * file_bytes
+    stop(rpc)
+
+
+def test_written_when_idle_as_far_as_the_tree_still_holds_a_prompt(llama, tmp_path):
+    model, tok = llama
+    prompt = list(range(10, 10 + 8 * PS))
+    rpc = with_disk(model, tmp_path, write="idle")
+    serve(rpc, model, tok, prompt)
+    serve(rpc, model, tok, prompt[: 6 * PS] + [7] * PS)  # shares 6 pages, then its own
+    # Both prompts' own tails evicted before the server was idle; their 6 pages stay.
+    rpc._evict(rpc.stats()["pages_cached"] - 6)
+    assert rpc.tree.cached_pages(KEY, prompt[: 6 * PS]) is not None
+    assert not rpc.tiering.write_later(rpc.tree)
+    written(rpc)
+    assert rpc.tiering.disk.stored(rpc.tiering.hashes(KEY, prompt, 8)) == 6
     stop(rpc)

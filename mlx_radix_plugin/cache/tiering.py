@@ -130,7 +130,6 @@ class Tiering:
         # (pump, namespace, tokens, pages' metadata, their arrays): gathers not yet written
         self._pending: list[tuple[int, Hashable, tuple[int, ...], list, list]] = []
         self._pending_keys: set[str] = set()  # their pages' hashes
-        self._pending_bytes = 0  # and their bytes
         self._pumps = 0
         # Prompts whose pages are to be written when the server is idle (``write_later``),
         # from the tree if it still holds them: writes the full queue dropped, and in
@@ -164,21 +163,25 @@ class Tiering:
         pages: Sequence[int],
         first: int,
         later: bool = False,
-    ) -> None:
+    ) -> int:
         """Queue the whole pages ``first..`` of ``tokens`` (held in ``pages``) that the disk
-        lacks: gathered now, behind the pass that wrote them, written later. Pages before
-        ``first`` (the pool's hit) are marked used on disk too. ``later``: a write
-        remembered for later (``write_later``), now due."""
+        lacks: gathered now, behind the pass that wrote them, written later; returns how
+        many. Pages before ``first`` (the pool's hit) are marked used on disk too.
+        ``later``: a write remembered for later (``write_later``), now due."""
         if not self.disk.enabled:
-            return
-        ps = self.pool.page_size
-        n = min(len(tokens) // ps, len(pages))
-        keys = self.hashes(namespace, tokens, n)
-        self.disk.touch(keys[:first])
+            return 0
+        ps, page_bytes = self.pool.page_size, self.pool.bytes_per_page
+        # A chain longer than the budget would evict its own start as it is written, and be
+        # written again at each idle write: its pages past the budget's half stay off disk.
+        n = min(len(tokens) // ps, len(pages), self.disk.chain_pages(page_bytes))
         if self.write_mode == "idle" and not later:
+            if first:
+                self.disk.touch(self.hashes(namespace, tokens, min(first, n)))
             if n > first:
                 self._remember(namespace, tokens[: n * ps])
-            return
+            return 0
+        keys = self.hashes(namespace, tokens, n)
+        self.disk.touch(keys[:first])
         todo = [
             i
             for i in range(first, n)
@@ -186,15 +189,20 @@ class Tiering:
         ]
         # No more than the write queue takes: a gather is a copy in device memory, outside
         # the pool's plan, and what the queue cannot take it drops (one idle write of 992
-        # pages once gathered them all to queue 8). The rest is written when idle.
-        room = self.disk.room() - self._pending_bytes
-        most = max(0, room // self.pool.bytes_per_page)
+        # pages once gathered them all to queue 8). The rest is written when idle. An empty
+        # queue takes one page whatever its size.
+        pending = sum(len(p[3]) for p in self._pending) * page_bytes
+        room = self.disk.room() - pending
+        most = max(0, room // page_bytes)
+        if not pending and self.disk.queue_empty():
+            most = max(most, 1)
         if len(todo) > most:
-            self.disk.counters.writes_dropped += 0 if later else len(todo) - most
+            if not later:
+                self.disk.count_dropped(len(todo) - most)
             self._remember(namespace, tokens[: (todo[-1] + 1) * ps])
             todo = todo[:most]
         if not todo:
-            return
+            return 0
         meta = [
             (keys[i], keys[i - 1] if i else "", i, list(tokens[i * ps : (i + 1) * ps]))
             for i in todo
@@ -211,7 +219,7 @@ class Tiering:
             self.pool.reading()
         self._pending.append((self._pumps, namespace, tuple(tokens[: n * ps]), meta, arrays))
         self._pending_keys.update(m[0] for m in meta)
-        self._pending_bytes += len(todo) * self.pool.bytes_per_page
+        return len(todo)
 
     def pump(self, everything: bool = False) -> None:
         """Hand the gathers that have run to the writer: those queued before the step that
@@ -237,7 +245,6 @@ class Tiering:
                 if not self.disk.put(key, parent, depth, tokens, tensors):
                     dropped = depth + 1
                 self._pending_keys.discard(key)
-            self._pending_bytes -= len(meta) * self.pool.bytes_per_page
             if dropped and self.disk.enabled:
                 self._remember(namespace, prefix[: dropped * ps])
 
@@ -255,9 +262,11 @@ class Tiering:
             self._later_tokens -= self._later.pop(next(iter(self._later)))
 
     def _recall(self) -> tuple[Hashable, list[int]]:
-        """The newest prompt remembered for later, forgotten."""
-        (namespace, data), n = self._later.popitem()
-        self._later_tokens -= n
+        """The oldest prompt remembered for later, forgotten: pages are written in the
+        order of their use, which is the disk's LRU order."""
+        key = next(iter(self._later))
+        namespace, data = key
+        self._later_tokens -= self._later.pop(key)
         return namespace, np.frombuffer(data, dtype="<i4").tolist()
 
     def _forget_later(self) -> bool:
@@ -272,10 +281,13 @@ class Tiering:
         queue has room (on the generation thread, while idle); whether any are left."""
         while self._later and self.disk.has_room():
             namespace, tokens = self._recall()
-            pages = tree.cached_pages(namespace, tokens)
-            if pages is not None:
-                self.save(namespace, tokens, pages, 0, later=True)
-                self.pump(everything=True)
+            # As far as the tree still holds it: eviction takes a prompt's own tail first.
+            pages = tree.cached_pages(namespace, tokens, whole=False)
+            mark = self._later_tokens
+            queued = self.save(namespace, tokens, pages, 0, later=True) if pages else 0
+            self.pump(everything=True)
+            if not queued and self._later_tokens > mark:
+                break  # put back, no room for it yet
         return bool(self._later)
 
     def save_tree(self, tree: RadixTree, deadline: float) -> int:
@@ -287,11 +299,13 @@ class Tiering:
         for namespace, tokens, pages in tree.sequences():
             # A sequence longer than the queue takes goes in parts, each once the writer
             # has made room for it.
-            while self.disk.wait_for_room(deadline):
-                self.save(namespace, tokens, pages, 0, later=True)
+            while time.monotonic() < deadline and self.disk.wait_for_room(deadline):
+                queued = self.save(namespace, tokens, pages, 0, later=True)
                 self.pump(everything=True)
                 if not self._forget_later():
-                    break
+                    break  # all of it queued or stored
+                if not queued and not self.disk.flush(max(0.0, deadline - time.monotonic())):
+                    break  # a page larger than the queue's room: once it is empty
             if time.monotonic() > deadline or not self.disk.enabled:
                 break
         self.disk.flush(max(0.0, deadline - time.monotonic()))

@@ -293,8 +293,11 @@ class DiskTier:
         lookup, which knows them)."""
         try:
             meta = read_header(self.path_of(key))[0]["__metadata__"]
-            return meta["parent"], json.loads(meta["tokens"])
-        except (OSError, ValueError, KeyError):
+            parent, tokens = meta["parent"], json.loads(meta["tokens"])
+            if not isinstance(parent, str) or not all(isinstance(t, int) for t in tokens):
+                raise ValueError("not a page's header")
+            return parent, tokens
+        except (OSError, *BAD_FILE):
             return "", []
 
     def path_of(self, key: str) -> Path:
@@ -413,7 +416,8 @@ class DiskTier:
         try:
             aside.mkdir(exist_ok=True)
             os.replace(path, aside / path.name)
-            kept = sorted(aside.iterdir(), key=lambda p: p.stat().st_mtime)
+            # By the time each was moved aside (a move keeps a file's modification time).
+            kept = sorted(aside.iterdir(), key=lambda p: p.stat().st_ctime)
             _unlink(kept[:-QUARANTINE_MOST])
         except OSError:
             _unlink([path])  # where it cannot be moved either, the index forgets it
@@ -464,6 +468,23 @@ class DiskTier:
             self._queued_bytes += nbytes
             self._wake.notify()
         return True
+
+    def queue_empty(self) -> bool:
+        with self._lock:
+            return not self._queue
+
+    def chain_pages(self, page_bytes: int) -> int:
+        """The most pages of one chain worth writing, ``page_bytes`` of K/V each: half the
+        budget, counting the files as large as those stored (headers included), so that a
+        chain does not evict its own start as it is written."""
+        with self._lock:
+            file_bytes = max(page_bytes, self._bytes // max(1, len(self._entries)))
+        return int(self.budget_bytes * LOW_WATER / 2 // file_bytes)
+
+    def count_dropped(self, n: int) -> None:
+        """Count ``n`` pages whose writes were dropped before they reached the queue."""
+        with self._lock:
+            self.counters.writes_dropped += n
 
     def has_room(self) -> bool:
         """Whether the write queue is under half full (and the tier on)."""
@@ -529,15 +550,18 @@ class DiskTier:
                     os.utime(self.path_of(key), (stamp, stamp))  # the LRU order survives a restart
                 except OSError:
                     pass
-            doomed, size = [], None
+            doomed, size, lost = [], None, orphan
             if job is not None and not orphan:
                 key, parent, depth, tokens, tensors, nbytes = job
                 try:
                     size = self._write_page(key, parent, depth, tokens, tensors)
-                except FileNotFoundError:
-                    # Our temporary file was removed under us (``cache clear`` while serving):
-                    # this write is lost, the tier is not at fault.
-                    self.counters.writes_dropped += 1
+                except FileNotFoundError as e:
+                    if self.dir.parent.is_dir():
+                        # Our temporary file was removed under us (``cache clear`` while
+                        # serving): this write is lost, the tier is not at fault.
+                        lost = True
+                    else:  # the tier's root went (a volume unmounted)
+                        self._turn_off(f"{self.dir.parent} is gone: {e.strerror or e}")
                 except Exception as e:  # a full or read-only disk, or anything unforeseen
                     why = e.strerror if isinstance(e, OSError) and e.strerror else e
                     self._turn_off(f"writing {self.path_of(key)} failed: {why}")
@@ -548,7 +572,7 @@ class DiskTier:
                     self._queued.discard(key)
                     self._queued_bytes -= nbytes
                     self._room.notify_all()
-                    if orphan:
+                    if lost:
                         self.counters.writes_dropped += 1
                     if size is not None and self.off_reason is None:
                         now = time.time()
@@ -574,8 +598,11 @@ class DiskTier:
         head, pieces = _encode(tensors, metadata)
         path = self.path_of(key)
         if not path.parent.is_dir():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if not (self.dir / "identity.json").exists():  # the tier's directory was removed
+            # The tier's own directory was removed (``cache clear`` while serving): made
+            # again, but not its root, which may be a volume no longer mounted.
+            self.dir.mkdir(exist_ok=True)
+            path.parent.mkdir(exist_ok=True)
+            if not (self.dir / "identity.json").exists():
                 self._write_atomic(self.dir / "identity.json", self._record)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         try:
@@ -682,28 +709,37 @@ def list_tiers(root: Path | str) -> list[dict]:
     if not root.is_dir():
         return out
     for d in sorted(p for p in root.iterdir() if p.is_dir()):
-        # A running server adds and evicts files while this reads: what is gone is skipped.
         try:
             record = json.loads((d / "identity.json").read_text())
-            subs = [sub for sub in d.iterdir() if sub.is_dir() and len(sub.name) == 2]
         except (OSError, ValueError):
             continue
         if not isinstance(record, dict):
             continue
-        sizes = []
-        for sub in subs:
-            try:
-                files = list(sub.glob("*" + SUFFIX))
-            except OSError:
-                continue
-            for f in files:
-                try:
-                    sizes.append(f.stat().st_size)
-                except OSError:
-                    pass
+        sizes = page_sizes(d)
         tier = {"id": d.name, "dir": str(d), "record": record}
         out.append({**tier, "pages": len(sizes), "bytes": sum(sizes)})
     return out
+
+
+def page_sizes(tier_dir: Path) -> list[int]:
+    """The sizes of the page files under one identity's directory. A running server adds
+    and evicts files while this reads: what is gone is skipped."""
+    sizes = []
+    try:
+        subs = [sub for sub in tier_dir.iterdir() if sub.is_dir() and len(sub.name) == 2]
+    except OSError:
+        return sizes
+    for sub in subs:
+        try:
+            files = list(sub.glob("*" + SUFFIX))
+        except OSError:
+            continue
+        for f in files:
+            try:
+                sizes.append(f.stat().st_size)
+            except OSError:
+                pass
+    return sizes
 
 
 def clear_tiers(root: Path | str, model: str | None = None) -> list[str]:

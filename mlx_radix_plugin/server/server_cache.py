@@ -32,7 +32,7 @@ from ..cache.tiering import (
 from ..config import Config, cache_dir
 from ..memory import ranks
 from ..memory.budget import buffer_cache_limit, device_memory
-from ..memory.disk_tier import DiskTier, DiskTierOff, list_tiers
+from ..memory.disk_tier import DiskTier, DiskTierOff, identity_id, page_sizes
 from ..memory.pool import KVPool, UnsupportedModel, model_nbytes
 from .pins import PinError, Pins, prefill, read_pin_file
 
@@ -259,11 +259,11 @@ class ServerPromptCache:
             log.warning("disk tier off: K/V of dtype %s is not stored on disk", pool.dtype)
             return None
         root = Path(cfg["radix.disk.dir"] or cache_dir() / "disk").expanduser()
-        budget = cfg["radix.disk.bytes"] or default_disk_bytes(root)
+        identity = disk_identity(model, pool)
+        budget = cfg["radix.disk.bytes"] or default_disk_bytes(root, identity)
         if budget <= 0:
             log.warning("disk tier off: no free space under %s", root)
             return None
-        identity = disk_identity(model, pool)
         about = {
             "model": public_name(model_key[0] if isinstance(model_key, tuple) else model_key),
             "adapter": public_name(model_key[1]) if isinstance(model_key, tuple) else None,
@@ -417,10 +417,10 @@ def public_name(part: Any) -> Any:
     return Path(part).name if isinstance(part, str) and os.path.isabs(part) else part
 
 
-def default_disk_bytes(root: Path) -> int:
-    """A quarter of the space of the file system ``root`` is on that is free or holds disk
-    tiers already (else a full tier would shrink its own budget at each start), at most
-    64 GiB."""
+def default_disk_bytes(root: Path, identity: dict) -> int:
+    """A quarter of the space of the file system ``root`` is on that is free or holds this
+    identity's pages already (else a full tier would shrink its own budget at each start),
+    at most 64 GiB."""
     probe = root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -428,7 +428,7 @@ def default_disk_bytes(root: Path) -> int:
         free = shutil.disk_usage(probe).free
     except OSError:
         free = 0
-    held = sum(tier["bytes"] for tier in list_tiers(root))
+    held = sum(page_sizes(root / identity_id(identity)))
     return min((free + held) // 4, 64 << 30)
 
 
