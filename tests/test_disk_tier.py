@@ -366,3 +366,12 @@ class DiskMachine(RuleBasedStateMachine):
 
 TestDiskMachine = DiskMachine.TestCase
 TestDiskMachine.settings = settings(max_examples=25, stateful_step_count=12, deadline=None)
+
+
+def test_a_budget_set_after_start_evicts_from_the_ends_of_chains(tmp_path):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    keys = chain(tier, list(range(3 * PS)))
+    tier.set_budget(tier.nbytes // 3 * 2)
+    assert tier.stored(keys) == 1 and len(tier) == 1
+    assert not tier.path_of(keys[2]).exists() and tier.path_of(keys[0]).exists()
+    tier.close()

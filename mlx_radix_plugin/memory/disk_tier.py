@@ -488,7 +488,15 @@ class DiskTier:
 
     def has_room(self) -> bool:
         """Whether the write queue is under half full (and the tier on)."""
-        return self.room() > QUEUE_BYTES - QUEUE_BYTES // 2
+        with self._lock:
+            return self.off_reason is None and self._queued_bytes < QUEUE_BYTES // 2
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Hold at most ``budget_bytes`` from now on, evicting what is over it."""
+        with self._lock:
+            self.budget_bytes = budget_bytes
+            doomed = self._evict_over_budget()
+        _unlink(doomed)
 
     def room(self) -> int:
         """Bytes the write queue takes before it drops writes (0 with the tier off)."""
@@ -715,13 +723,13 @@ def list_tiers(root: Path | str) -> list[dict]:
             continue
         if not isinstance(record, dict):
             continue
-        sizes = page_sizes(d)
+        sizes = _page_sizes(d)
         tier = {"id": d.name, "dir": str(d), "record": record}
         out.append({**tier, "pages": len(sizes), "bytes": sum(sizes)})
     return out
 
 
-def page_sizes(tier_dir: Path) -> list[int]:
+def _page_sizes(tier_dir: Path) -> list[int]:
     """The sizes of the page files under one identity's directory. A running server adds
     and evicts files while this reads: what is gone is skipped."""
     sizes = []

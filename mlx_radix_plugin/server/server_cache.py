@@ -32,7 +32,7 @@ from ..cache.tiering import (
 from ..config import Config, cache_dir
 from ..memory import ranks
 from ..memory.budget import buffer_cache_limit, device_memory
-from ..memory.disk_tier import DiskTier, DiskTierOff, identity_id, page_sizes
+from ..memory.disk_tier import DiskTier, DiskTierOff
 from ..memory.pool import KVPool, UnsupportedModel, model_nbytes
 from .pins import PinError, Pins, prefill, read_pin_file
 
@@ -259,20 +259,25 @@ class ServerPromptCache:
             log.warning("disk tier off: K/V of dtype %s is not stored on disk", pool.dtype)
             return None
         root = Path(cfg["radix.disk.dir"] or cache_dir() / "disk").expanduser()
-        identity = disk_identity(model, pool)
-        budget = cfg["radix.disk.bytes"] or default_disk_bytes(root, identity)
-        if budget <= 0:
-            log.warning("disk tier off: no free space under %s", root)
-            return None
         about = {
             "model": public_name(model_key[0] if isinstance(model_key, tuple) else model_key),
             "adapter": public_name(model_key[1]) if isinstance(model_key, tuple) else None,
         }
+        budget = cfg["radix.disk.bytes"]
         try:
-            disk = DiskTier(root, identity, budget, about=about)
+            # With the default budget, no eviction until the tier has read what it holds,
+            # which counts towards it.
+            disk = DiskTier(root, disk_identity(model, pool), budget or 1 << 62, about=about)
         except DiskTierOff as e:
             log.warning("disk tier off: %s; the server goes on without it", e)
             return None
+        if not budget:
+            budget = default_disk_bytes(root, disk.nbytes)
+            if budget <= 0:
+                disk.close()
+                log.warning("disk tier off: no free space under %s", root)
+                return None
+            disk.set_budget(budget)
         restore = cfg["radix.disk.restore"]
         rate = prefill_seconds_per_token(model) if restore == "auto" else None
         write = cfg["radix.disk.write"]
@@ -417,10 +422,10 @@ def public_name(part: Any) -> Any:
     return Path(part).name if isinstance(part, str) and os.path.isabs(part) else part
 
 
-def default_disk_bytes(root: Path, identity: dict) -> int:
-    """A quarter of the space of the file system ``root`` is on that is free or holds this
-    identity's pages already (else a full tier would shrink its own budget at each start),
-    at most 64 GiB."""
+def default_disk_bytes(root: Path, held: int) -> int:
+    """A quarter of the space of the file system ``root`` is on that is free or held by
+    the tier already (``held`` bytes: else a full tier would shrink its own budget at each
+    start), at most 64 GiB."""
     probe = root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -428,7 +433,6 @@ def default_disk_bytes(root: Path, identity: dict) -> int:
         free = shutil.disk_usage(probe).free
     except OSError:
         free = 0
-    held = sum(page_sizes(root / identity_id(identity)))
     return min((free + held) // 4, 64 << 30)
 
 
