@@ -170,6 +170,13 @@ SETTINGS: tuple[Setting, ...] = (
         "off: the exact path, stock's kernels)",
         choices=("auto", "on", "off"),
     ),
+    Setting(
+        "decode.warmup",
+        "auto",
+        "at model load, run the engine's paths once on a scratch pool, so that the first "
+        "requests do not build kernels (auto: on a GPU, where kernels are built at first use)",
+        choices=("auto", "on", "off"),
+    ),
     Setting("metrics.enabled", True, "serve Prometheus metrics at /metrics"),
     Setting("log_level", "INFO", "log level of mlx-radix", choices=LOG_LEVELS),
 )

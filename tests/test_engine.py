@@ -46,6 +46,67 @@ class PrefillCounter(CountingModel):
         return self._model(inputs, *args, **kwargs)
 
 
+class PrefillPasses(CountingModel):
+    """Records the rows of each prefill pass (a decode step feeds one token a row)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.passes = []
+
+    def __call__(self, inputs, *args, **kwargs):
+        if inputs.shape[1] > 1:
+            self.passes.append(inputs.shape[0])
+        return self._model(inputs, *args, **kwargs)
+
+
+def test_a_burst_s_followers_prefill_together_however_many(loaded):
+    """Followers that prefill only their short suffixes start together, in one pass, where
+    mlx-lm would start ``prefill_batch_size`` (--prompt-concurrency) at a time; a batch of
+    long prompts still starts that many at a time. Answers as stock's."""
+    model, tok = loaded("llama")
+    prompts = burst(tok, n=8)
+    expected = run_batch(model, tok, prompts)
+    model_passes = PrefillPasses(model)
+    assert run_batch(model_passes, tok, prompts, radix(model), engine=True) == expected
+    # The first request writes the prefix; the 7 others follow in one pass, not 3 then 4.
+    assert model_passes.passes == [1, 7]
+
+    long = [tok.encode(f"Story {i}: once upon a time, far away. " * 30) for i in range(6)]
+    model_passes = PrefillPasses(model)
+    gen = RadixBatchGenerator(
+        model_passes, radix(model), completion_batch_size=8, prefill_batch_size=2,
+        prefill_step_size=64,
+    )  # fmt: skip
+    gen.insert(long, max_tokens=[2] * 6)
+    while len(model_passes.passes) < 3:
+        gen.next()
+    gen.close()
+    assert max(model_passes.passes) == 2  # 6 rows x 64-token chunks: over the budget of 2 x 64
+
+
+def test_an_old_generator_closing_late_leaves_in_flight_sharing_on(loaded):
+    """mlx-lm's generators close again when collected; the server makes a new one after
+    draining a batch. The old one closing (or being collected) after the new one is made
+    must not turn in-flight sharing off for it."""
+    model, tok = loaded("llama")
+    rpc = radix(model)
+    old = RadixBatchGenerator(model, rpc)
+    new = RadixBatchGenerator(PrefillCounter(model), rpc)
+    old.close()
+    del old
+    gc.collect()
+    prompts = burst(tok, n=4)
+    admit(new, rpc, prompts, 2)
+    # The three requests after the first wait for its prefix instead of computing it.
+    assert all(s[3][0].table.depends is not None for s in list(new._unprocessed_sequences)[1:])
+    done = 0
+    while done < 4:
+        done += sum(r.finish_reason is not None for r in new.next()[1])
+    new.close()
+    assert new.model.tokens_seen <= 40 + sum(len(p) - 40 for p in prompts) + 4 * PS
+    assert not rpc.share_inflight  # its own close turns it off
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_burst_on_a_new_prefix_computes_it_once(loaded, arch, chunking):
     model, tok = loaded(arch)

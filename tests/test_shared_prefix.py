@@ -486,7 +486,7 @@ def test_responses_carry_stock_logprobs_and_their_tokens_value_on_the_host(loade
     from the host, and the server's top-logprobs formatting works on the row."""
     from mlx_lm.server import _format_top_logprobs
 
-    from mlx_radix_plugin.engine.generator import TokenLogprobs
+    from mlx_radix_plugin.engine.decode_step import TokenLogprobs
 
     model, tok = loaded("llama")
     prefix = prefix_of(tok)

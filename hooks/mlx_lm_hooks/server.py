@@ -12,7 +12,9 @@ so it is refused with HTTP 400, as are a prompt longer than the model's context 
 the tokenizer rejects (stock: 404); stock's listen backlog of 5 resets connections when
 more clients connect at once; a client hanging up mid-stream no longer prints a traceback;
 a request that arrives while a batch decodes joins it at the next step, where stock leaves it
-queued until the generation thread's 0.5 s time budget runs out. A step that fails (a CUDA
+queued until the generation thread's 0.5 s time budget runs out. Requests with the same
+sampling settings share one sampler, and a logit bias is readable (sampling.py), so that a
+batch can sample and bias its rows at once. A step that fails (a CUDA
 out-of-memory error, say) fails the requests of its batch with HTTP 503 or an error event,
 where stock's generation thread dies for good. Requests may carry vLLM's
 ``cache_salt`` (salt.py): only requests with the same salt share cached prompts.
@@ -39,6 +41,7 @@ import pluggy
 from .plugins import ActivationError, activate, get_plugin_manager
 from .routes import RouteRequest, RouteResponse, RouteTable
 from .salt import BadSalt, SaltedPromptCache, parse_salt
+from .sampling import Sampling
 
 log = logging.getLogger("mlx_lm_hooks")
 
@@ -120,6 +123,8 @@ SERVER_NAMES = (
     "_run_http_server",
     "APIHandler",
     "TimeBudget",
+    "_make_sampler",
+    "_make_logits_processors",
 )
 
 
@@ -157,6 +162,13 @@ def install(pm: pluggy.PluginManager) -> None:
         _Installed.stock["ResponseGenerator"], _waiting_budget_class(server.TimeBudget)
     )
     server._run_http_server = _run_http_server
+    # Requests with the same sampling settings share a sampler, and a logit bias is readable,
+    # so that a batch can sample and bias its rows at once (sampling.py).
+    sampling = Sampling(
+        _Installed.stock["_make_sampler"], _Installed.stock["_make_logits_processors"]
+    )
+    server._make_sampler = sampling.sampler
+    server._make_logits_processors = sampling.logits_processors
 
 
 def uninstall() -> None:

@@ -69,8 +69,9 @@ class RadixPromptCache:
         # Requests whose prompt pages are not all in the tree yet: later requests
         # with the same prefix share their pages instead of computing them again.
         # Only an engine that runs a prefill after the one it waits for may turn
-        # this on (engine.RadixBatchGenerator does).
+        # this on (engine.RadixBatchGenerator does), and only it turns it off again.
         self.share_inflight = False
+        self.inflight_engine: int | None = None  # id() of that engine
         # In fetch order (a WeakSet's follows addresses): a tie goes to the first fetched,
         # the same request on every rank of mlx.launch.
         self._inflight: weakref.WeakValueDictionary[int, PageTable] = weakref.WeakValueDictionary()

@@ -15,8 +15,8 @@ sequences and removal; its batch caches become pool-backed through
   queue until running requests give pages back, letting at most ``MAX_PASSES`` later
   requests start before it; one that cannot fit even with nothing running is served
   uncached from the batch buffer;
-- the decode path (``decode_path.py``), and each response's sampled log-probability on the
-  host (``_host_logprobs``);
+- the decode path (``decode_path.py``), and decode steps that sample, bias and read their
+  rows in bulk (``decode_step.py``);
 - a hybrid model's recurrent-state snapshots (``cache/recurrent.py``): the positions a
   request should leave a snapshot at become ends of its prefill segments, where the
   state is taken, and while it decodes, the state at the last page boundary it crossed.
@@ -42,26 +42,12 @@ from ..memory import ranks
 from ..memory.allocator import OutOfPages
 from . import attention
 from .decode_path import RULES, DecodePath
+from .decode_step import BulkGenerationBatch
 
 log = logging.getLogger("mlx_radix")
 
 # How many later requests may start before one that waits for pool room (aging).
 MAX_PASSES = 4
-
-
-class TokenLogprobs(mx.array):
-    """A response's log-probabilities, the MLX array mlx-lm hands over, that also holds its
-    sampled token's value on the host: ``[token]`` answers from there (the same value, in
-    the row's dtype) without queueing an operation; any other use is the array's own."""
-
-    def __init__(self, row: mx.array, token: int, value: float):
-        super().__init__(row)
-        self.token, self.value = token, value
-
-    def __getitem__(self, index):
-        if type(index) is int and index == self.token:
-            return mx.array(self.value, dtype=self.dtype)
-        return super().__getitem__(index)
 
 
 def _pool_cache(sequence) -> PoolBackedCache | None:
@@ -92,9 +78,11 @@ class RadixBatchGenerator(BatchGenerator):
         """``shared_prefix``: ``auto``, ``on`` or ``off`` (engine/decode_path.py);
         ``snapshot_every``: pages between a hybrid model's prefill snapshots (0: none)."""
         super().__init__(model, **kwargs)
+        # Decode steps take every row's sampling and logit bias in bulk (decode_step.py).
+        self._generation_batch = BulkGenerationBatch.empty(self.model, self.sampler)
         self.radix = radix
         self.snapshot_every = snapshot_every
-        radix.share_inflight = True
+        radix.share_inflight, radix.inflight_engine = True, id(self)
         self._ran = False
         self._passed_over: dict[int, int] = {}  # uid -> later requests started before it
         if radix.recurrent and shared_prefix != "off":
@@ -107,13 +95,18 @@ class RadixBatchGenerator(BatchGenerator):
                 "scaled_dot_product_attention or its layers' caches"
             )
             shared_prefix = "off"
-        self._host_stream = mx.new_stream(mx.default_device())
         backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
         self.decode_path = DecodePath(shared_prefix, RULES[backend], calls or 0)
         self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
 
     def close(self):
-        self.radix.share_inflight = False
+        # Only the generator that serves from the cache now turns sharing off: mlx-lm's
+        # generators close again when collected, and the server makes a new one after
+        # draining a batch (a request with a seed, say), so an old one collected later
+        # had turned sharing off for its successor (seen as batches that differed from run
+        # to run with the garbage collector's timing).
+        if self.radix.inflight_engine == id(self):
+            self.radix.share_inflight, self.radix.inflight_engine = False, None
         super().close()
 
     def _admissible(self, sequence, others: bool = False) -> bool:
@@ -272,6 +265,8 @@ class RadixBatchGenerator(BatchGenerator):
                 ready.append(s)
                 for uid in waiting_for_room:
                     self._passed_over[uid] = self._passed_over.get(uid, 0) + 1
+                if any(self._passed_over[uid] >= MAX_PASSES for uid in waiting_for_room):
+                    break  # several may start at once (_prefill_rows): no more pass it
                 continue
             table = _table(s)
             if table is not None and table.depends is None:  # it waits for room
@@ -314,32 +309,44 @@ class RadixBatchGenerator(BatchGenerator):
             # Evaluated behind the step that made them, so they hold no batch array alive.
             mx.async_eval(taken)
 
-    def _host_logprobs(self, responses) -> None:
-        """Give each generated token's log-probabilities their token's value on the host.
+    def _prefill_rows(self) -> int:
+        """How many requests may prefill together this step.
 
-        mlx_lm.server reads ``r.logprobs[r.token].item()`` for every row of every step. On
-        an MLX array that indexing is a new operation on the generation stream, queued
-        behind the next step's forward pass, which mlx-lm has already started: the
-        server's per-row work then waits for that pass instead of overlapping it, so a
-        step costs the forward pass plus all the server's Python. The values are picked
-        here on a stream of their own, which waits only for these (already evaluated)
-        rows, and ``TokenLogprobs`` answers ``[token]`` from them.
+        mlx-lm starts ``prefill_batch_size`` (the server's ``--prompt-concurrency``) at a
+        time, which bounds a prefill pass's tokens: its rows times their longest chunk, each
+        row padded to it. Requests that follow another's prefix (in-flight sharing) have only
+        their short suffixes left once it is written: they start together, up to
+        ``completion_batch_size`` and that many tokens, where a burst's followers would
+        otherwise start 8 at a time, each group a forward pass and a first decode step of
+        its own. Other requests start as mlx-lm starts them.
         """
-        if not responses:
-            return
-        with mx.stream(self._host_stream):
-            picked = mx.stack([r.logprobs[r.token] for r in responses]).astype(mx.float32)
-        mx.eval(picked)
-        for r, value in zip(responses, picked.tolist()):
-            r.logprobs = TokenLogprobs(r.logprobs, r.token, value)
+        configured, step = self.prefill_batch_size, self.prefill_step_size
+        room = self.completion_batch_size - len(self._generation_batch)
+        rows = len(self._currently_processing)
+        longest = max(
+            (min(sum(map(len, p[0])), step) for p in self._currently_processing), default=0
+        )
+        for sequence in self._unprocessed_sequences:
+            table = _table(sequence)
+            if table is None or table.depends is None:
+                continue
+            longest = max(longest, min(sum(map(len, sequence[1])), step))
+            if rows >= room or (rows + 1) * longest > configured * step:
+                break
+            rows += 1
+        return max(configured, rows)
 
     def _next(self):
         # Requests that finish in this call give their pages back when the server
         # commits them, right after it: until then they still count as running.
         self._ran = bool(len(self._prompt_batch) or len(self._generation_batch))
         self.decode_path.count_step(self._generation_batch)
-        responses = super()._next()
-        self._host_logprobs(responses[1])
+        configured = self.prefill_batch_size
+        self.prefill_batch_size = self._prefill_rows()
+        try:
+            responses = super()._next()
+        finally:
+            self.prefill_batch_size = configured
         # The batch's path for its next step, chosen as soon as rows have joined or left:
         # a batch that goes shared drops its buffers now, not one step later.
         self.decode_path.prepare(self._generation_batch)

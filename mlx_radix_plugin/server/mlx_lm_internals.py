@@ -20,11 +20,15 @@ METHODS = (
     ("mlx_lm.generate", "BatchGenerator", "_next"),  # per-step work around mlx-lm's step
     ("mlx_lm.generate", "BatchGenerator", "_find_uids"),  # which pages a removal gives back
     ("mlx_lm.models.cache", "RotatingKVCache", "_temporal_order"),  # a window's tokens in order
+    ("mlx_lm.generate", "GenerationBatch", "_step"),  # a decode step in bulk (decode_step.py)
 )
 # Instance attributes, set in the constructor: checked in its source (no instance exists yet).
 ATTRIBUTES = (
     ("mlx_lm.generate", "BatchGenerator", "_unprocessed_sequences"),  # the waiting queue
     ("mlx_lm.models.cache", "BatchKVCache", "_idx"),  # where the batch buffer's tokens end
+    ("mlx_lm.generate", "BatchGenerator", "_currently_processing"),  # prefilling rows
+    ("mlx_lm.generate", "GenerationBatch", "_next_logprobs"),  # the step's rows, read next
+    ("mlx_lm.generate", "GenerationBatch", "_token_context"),  # logits processors' contexts
 )
 
 

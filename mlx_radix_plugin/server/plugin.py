@@ -17,6 +17,7 @@ from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 
 from ..cache.prompt_cache import idle_stats
 from ..config import Config, ConfigError, load_config
+from ..engine import warmup
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
 from ..memory import ranks
@@ -118,9 +119,20 @@ class RadixPlugin:
     ):
         if self.cache is not None:
             self.cache.bind(model, model_key, draft_model, cli_args, tokenizer)
+            if self.cache.radix is not None and warmup.enabled(self.config["decode.warmup"]):
+                self._warm_up(model)
         if not self.config["decode.batched"]:
             # Requests then take mlx-lm's one-at-a-time path (PoolBackedCache).
             model_provider.is_batchable = False
+
+    def _warm_up(self, model) -> None:
+        page_size = self.cache.radix.pool.page_size
+        try:
+            seconds = warmup.warm_up(model, page_size, self.config["decode.shared_prefix"])
+        except Exception:  # noqa: BLE001 - requests then build what they need, as stock's do
+            log.exception("radix warm-up failed; the first requests build their kernels")
+            return
+        log.info("radix warm-up: the engine's paths ran in %.1f s", seconds)
 
     @hookimpl
     def mlx_lm_batch_generator(self, model, kwargs):

@@ -1,0 +1,168 @@
+"""The engine's decode step: mlx-lm's ``GenerationBatch`` with its per-row work done in bulk.
+
+mlx-lm applies each row's logits processors on a slice of its own and samples row by row
+unless every row holds the same sampler object. Each row's operations then enter every step
+of the batch. Counted with ``tools/step_profile.py`` (CPU, 32 rows, the tiny shape, whose
+model adds ~160 operations a layer there): 386 operations a step for greedy rows without
+processors, 1,378 with a temperature and a ``logit_bias`` (mlx_lm.server gives every request
+a sampler and processors of its own). Here:
+
+- rows whose sampler is the same object sample in one call (mlx_lm_hooks/sampling.py gives
+  requests with the same settings the same sampler); greedy rows are the argmax stock takes;
+- a ``LogitBias`` (mlx_lm_hooks/sampling.py), first in a request's processors as in stock's
+  list, is applied to every row that has one in one scatter, with the same additions; rows
+  whose processors are no more than that keep no token context (a logit bias reads none);
+- any other processor runs on its row, with the row's context, as in stock;
+- the sampled tokens' log-probabilities are picked in the step's own graph and read with
+  its tokens, one ``tolist`` for the batch: mlx_lm.server reads ``logprobs[token].item()``
+  for every row of every step, which on an MLX row is one more operation and a wait each
+  (``TokenLogprobs`` answers it from the host).
+
+The first step of rows that join is mlx-lm's own (it runs as their batch is made); their
+first tokens' log-probabilities are picked together, once, when that step is read.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+from mlx_lm_hooks.sampling import LogitBias
+
+
+class HostScalar:
+    """A value already on the host, read as an MLX scalar's ``item()`` reads it."""
+
+    __slots__ = ("value", "dtype")
+
+    def __init__(self, value: float, dtype: mx.Dtype):
+        self.value, self.dtype = value, dtype
+
+    def item(self) -> float:
+        return self.value
+
+
+class TokenLogprobs(mx.array):
+    """A response's log-probabilities, the MLX row mlx-lm hands over, that also holds its
+    sampled token's value on the host: ``[token]`` answers from there, without an MLX
+    operation; any other use is the array's own.
+
+    mlx_lm.server reads ``logprobs[token].item()`` for every row of every step, on the
+    generation thread. On an MLX scalar, ``item()`` evaluates it with the GIL released:
+    32 rows gave 32 handler threads (woken by the tokens queued for them just before) 32
+    chances a step to take the GIL from the generation thread, whose Python (the next
+    step's graph) then waited behind theirs.
+    """
+
+    def __init__(self, row: mx.array, token: int, value: float):
+        super().__init__(row)
+        self.token, self.value = token, value
+
+    def __getitem__(self, index):
+        if type(index) is int and index == self.token:
+            return HostScalar(self.value, self.dtype)
+        return super().__getitem__(index)
+
+
+class BulkGenerationBatch(GenerationBatch):
+    def __init__(self, model, uids, *args, **kwargs):
+        # Per row: the sampled token's log-probability, as (array of the step, row), or None
+        # for rows whose step was mlx-lm's.
+        self._next_picked: list[tuple[mx.array, int] | None] = [None] * len(uids)
+        super().__init__(model, uids, *args, **kwargs)
+
+    def _step(self):
+        self._current_tokens = self._next_tokens
+        self._current_logprobs = self._next_logprobs
+        current_picked = self._next_picked
+        inputs = self._current_tokens
+
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        logits, token_context = self._process(logits, inputs)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = self._sample(logprobs)
+        picked = mx.take_along_axis(logprobs, sampled[:, None], axis=-1)[:, 0]
+        self._next_tokens = sampled
+        self._next_logprobs = list(logprobs)
+        self._next_picked = [(picked, i) for i in range(len(self.uids))]
+        mx.async_eval(sampled, picked, self._next_logprobs, token_context)
+
+        # As mlx-lm: the tokens in the K/V cache are those of the step before.
+        mx.eval(inputs, self._current_logprobs, [p[0] for p in current_picked if p])
+        tokens = inputs.tolist()
+        for sti, ti in zip(self.tokens, tokens):
+            sti.append(ti)
+        values = _host_values(current_picked, self._current_logprobs, tokens)
+        rows = [
+            TokenLogprobs(row, token, value)
+            for row, token, value in zip(self._current_logprobs, tokens, values)
+        ]
+        return tokens, rows
+
+    def extend(self, batch):
+        joining = len(batch.uids)
+        super().extend(batch)
+        self._next_picked += [None] * joining
+
+    def filter(self, keep):
+        super().filter(keep)
+        self._next_picked = [self._next_picked[i] for i in keep]
+
+    def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list]:
+        """Every row's logits processors applied: logit biases in one scatter, the rest per
+        row. Returns the logits and the token contexts the step updated."""
+        if not any(self.logits_processors):
+            return logits, []
+        rows, cols, values, rest = [], [], [], {}
+        for e, processors in enumerate(self.logits_processors):
+            processors = list(processors or ())
+            if processors and isinstance(processors[0], LogitBias):
+                bias = processors.pop(0)
+                rows += [e] * len(bias.tokens)
+                cols += bias.tokens
+                values += bias.values
+            if processors:
+                rest[e] = processors
+        if rows:
+            logits = logits.at[mx.array(rows), mx.array(cols)].add(mx.array(values))
+        if not rest:
+            return logits, []
+        parts, token_context = [], []
+        for e in range(len(self.uids)):
+            row = logits[e : e + 1]
+            if e in rest:
+                context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                token_context.append(context)
+                for processor in rest[e]:
+                    row = processor(context, row)
+            parts.append(row)
+        return mx.concatenate(parts, axis=0), token_context
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        """One call of each distinct sampler on its rows, the tokens in row order."""
+        samplers = [self.fallback_sampler if s is None else s for s in self.samplers] or [
+            self.fallback_sampler
+        ]
+        groups: dict[int, tuple] = {}
+        for e, s in enumerate(samplers):
+            groups.setdefault(id(s), (s, []))[1].append(e)
+        if len(groups) == 1:
+            return samplers[0](logprobs)
+        order, parts = [], []
+        for sampler, rows in groups.values():
+            order += rows
+            parts.append(sampler(logprobs[mx.array(rows)]))
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        return mx.concatenate(parts, axis=0)[mx.array(inverse)]
+
+
+def _host_values(picked: list, rows: list, tokens: list[int]) -> list[float]:
+    """Each row's sampled log-probability as a Python float: one ``tolist`` of each step's
+    picked array, and for rows whose step was mlx-lm's, their picks stacked once."""
+    host = {id(a): a.tolist() for a, _ in filter(None, picked)}
+    values = [host[id(p[0])][p[1]] if p else None for p in picked]
+    missing = [e for e, v in enumerate(values) if v is None]
+    if missing:
+        found = mx.stack([rows[e][tokens[e]] for e in missing]).astype(mx.float32).tolist()
+        for e, v in zip(missing, found):
+            values[e] = v
+    return values

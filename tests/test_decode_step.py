@@ -1,0 +1,127 @@
+"""The engine's decode step in bulk, and the hooks' shared samplers and readable logit bias."""
+
+from dataclasses import replace
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.server import (
+    GenerationArguments,
+    LogitsProcessorArguments,
+    ModelDescription,
+    SamplingArguments,
+    _make_logits_processors,
+    _make_sampler,
+)
+from mlx_lm_hooks.sampling import LogitBias, Sampling
+
+from mlx_radix_plugin import KVPool, RadixPromptCache
+from mlx_radix_plugin.engine.generator import RadixBatchGenerator
+
+
+def arguments(temperature=0.0, logit_bias=None, repetition_penalty=None, xtc_probability=0.0):
+    """What mlx_lm.server makes of a request's sampling fields."""
+    return GenerationArguments(
+        model=ModelDescription(model="m", draft=None, adapter=None),
+        sampling=SamplingArguments(temperature, 1.0, 0, 0.0, xtc_probability, 0.1),
+        logits=LogitsProcessorArguments(logit_bias, repetition_penalty, 20, None, 20, None, 20),
+        stop_words=[],
+        max_tokens=8,
+        num_draft_tokens=0,
+        logprobs=False,
+        top_logprobs=0,
+        seed=None,
+        chat_template_kwargs=None,
+    )
+
+
+def test_equal_settings_share_a_sampler_and_xtc_keeps_its_own(loaded):
+    _, tok = loaded("llama")
+    sampling = Sampling(_make_sampler, _make_logits_processors)
+    warm = arguments(temperature=0.7)
+    assert sampling.sampler(warm, tok) is sampling.sampler(replace(warm), tok)
+    assert sampling.sampler(warm, tok) is not sampling.sampler(arguments(temperature=0.8), tok)
+    xtc = arguments(temperature=0.7, xtc_probability=0.5)
+    assert sampling.sampler(xtc, tok) is not sampling.sampler(xtc, tok)
+
+
+def test_a_logit_bias_is_readable_first_and_adds_what_stock_adds():
+    sampling = Sampling(_make_sampler, _make_logits_processors)
+    assert sampling.logits_processors(arguments()) == []
+    bias, penalty = sampling.logits_processors(
+        arguments(logit_bias={5: 10.0, 7: -2.5}, repetition_penalty=1.3)
+    )
+    assert isinstance(bias, LogitBias) and (bias.tokens, bias.values) == ([5, 7], [10.0, -2.5])
+    assert not isinstance(penalty, LogitBias)
+    logits = mx.random.normal((1, 32))
+    (stock,) = make_logits_processors(logit_bias={5: 10.0, 7: -2.5})
+    assert mx.array_equal(bias(None, logits), stock(None, logits)).item()
+
+
+def run(gen, prompts, processors, samplers, steps=10):
+    uids = gen.insert(
+        prompts, max_tokens=[steps] * len(prompts), samplers=samplers,
+        logits_processors=processors,
+    )  # fmt: skip
+    out = {u: [] for u in uids}
+    while any(len(v) < steps for v in out.values()):
+        for r in gen.next()[1]:
+            out[r.uid].append((r.token, r.logprobs))
+    gen.close()
+    return [out[u] for u in uids]
+
+
+def test_biases_in_one_scatter_and_shared_samplers_answer_as_stock(loaded):
+    """Rows biased by ``LogitBias`` (one scatter for the batch) and sampled by one greedy
+    sampler give stock's tokens and bitwise stock's log-probabilities, where stock applies
+    mlx-lm's own bias row by row; a row with a penalty after its bias too."""
+    model, tok = loaded("llama")
+    prompts = [tok.encode(t) for t in ("Once upon a time", "The quick brown fox", "Hi there")]
+    biases = [{5: 10.0}, None, {5: 10.0, 9: -3.0}]
+    penalties = [None, None, 1.3]
+    stock_processors = [
+        make_logits_processors(logit_bias=b, repetition_penalty=p)
+        for b, p in zip(biases, penalties)
+    ]
+    sampling = Sampling(_make_sampler, _make_logits_processors)
+    ours = [
+        sampling.logits_processors(arguments(logit_bias=b, repetition_penalty=p))
+        for b, p in zip(biases, penalties)
+    ]
+    greedy = [make_sampler(0.0)] * 3
+    expected = run(
+        BatchGenerator(model, completion_batch_size=4), prompts, stock_processors, greedy
+    )
+    pool = KVPool.for_model(model, page_size=4, pool_tokens=1024)
+    engine = RadixBatchGenerator(model, RadixPromptCache(pool), completion_batch_size=4)
+    got = run(engine, prompts, ours, greedy)
+    for row_got, row_expected in zip(got, expected):
+        assert [t for t, _ in row_got] == [t for t, _ in row_expected]
+        for (token, a), (_, b) in zip(row_got, row_expected):
+            assert mx.array_equal(a, b).item()
+            assert a[token].item() == b[token].item()
+    assert sum(t == 5 for t, _ in got[0]) >= 5  # the bias shows
+
+
+def test_rows_of_one_sampler_sample_in_one_call(loaded):
+    """Each distinct sampler runs once a step on its rows; greedy rows get stock's tokens."""
+    model, tok = loaded("llama")
+    calls = []
+
+    def counted(name, sampler):
+        def sample(logprobs):
+            calls.append((name, logprobs.shape[0]))
+            return sampler(logprobs)
+
+        return sample
+
+    greedy, other = counted("greedy", make_sampler(0.0)), counted("other", make_sampler(0.0))
+    prompts = [tok.encode(t) for t in ("Once upon a time", "The quick brown fox", "Hi", "Go on")]
+    expected = run(BatchGenerator(model, completion_batch_size=4), prompts, None, [None] * 4)
+    pool = KVPool.for_model(model, page_size=4, pool_tokens=1024)
+    engine = RadixBatchGenerator(model, RadixPromptCache(pool), completion_batch_size=4)
+    calls.clear()
+    got = run(engine, prompts, None, [greedy, other, greedy, other])
+    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in expected]
+    # Once every row decodes together: one call a sampler a step, on its two rows.
+    assert calls[-2:] == [("greedy", 2), ("other", 2)]

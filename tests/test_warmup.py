@@ -1,0 +1,38 @@
+"""The warm-up at model load: the engine's paths run once on a scratch pool."""
+
+import pytest
+from servers import mlx_lm_server
+from test_server import GREEDY, SYSTEM, hf_cache, start  # noqa: F401 - fixtures
+from tiny_models import ARCHS, HYBRID_ARCHS
+
+from mlx_radix_plugin.engine import attention, warmup
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, *HYBRID_ARCHS])
+def test_every_architecture_runs_the_warm_up(loaded, arch):
+    model, _ = loaded(arch)
+    assert warmup.warm_up(model, page_size=4, shared_prefix="auto") > 0
+    assert attention.VARIANT is None  # the shared path's variant is the rule's again
+
+
+def test_auto_warms_up_on_a_gpu_only():
+    assert not warmup.enabled("auto")  # these tests run on MLX's CPU backend
+    assert warmup.enabled("on") and not warmup.enabled("off")
+    with pytest.raises(ValueError, match="decode.warmup must be one of auto, on, off, got 'yes'"):
+        warmup.enabled("yes")
+
+
+def test_a_warmed_up_server_starts_with_an_empty_pool_and_answers_as_stock(start):  # noqa: F811
+    prompt = {"prompt": SYSTEM + "Where is Paris?", **GREEDY}
+    with start(mlx_lm_server()) as stock:
+        expected = stock.post("/v1/completions", prompt)["choices"][0]["text"]
+    with start(mlx_lm_server("--plugin", "radix"), {"MLX_RADIX_DECODE_WARMUP": "on"}) as radix:
+        radix.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1})  # the model is loaded
+        before = radix.stats()
+        got = radix.post("/v1/completions", prompt)
+        log = radix.output()
+    assert "radix warm-up: the engine's paths ran in" in log
+    # What the warm-up ran is not in the pool that serves requests: only the first request.
+    assert before["hits"] == 0 and before["cached_tokens"] == 0
+    assert got["choices"][0]["text"] == expected
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
