@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 from statistics import median
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 from mlx_lm import load
 
 from mlx_radix_plugin.cli import cli
-from mlx_radix_plugin.models.random_model import SHAPES, TINY, build, words
+from mlx_radix_plugin.models.random_model import EOS, FIRST_WORD, SHAPES, TINY, build, words
 from mlx_radix_plugin.tools.bench.report import RATIO_KEYS
 from mlx_radix_plugin.tools.bench.workloads import PRESETS, WORKLOADS, single_token_words
 
@@ -35,14 +36,31 @@ SUMMARY_KEYS = {
 }
 
 
-def test_random_model_tokenizer_is_one_word_per_token(tmp_path):
+def test_random_model_tokenizer_is_byte_level_bpe_one_word_per_token(tmp_path):
+    """The random models' tokenizer is of the kind real models ship (mlx-lm streams it
+    with its BPE detokenizer), each id from FIRST_WORD one word after a space."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
     path = build("smollm2-135m", tmp_path / "m", **TINY)
     model, tok = load(str(path))
-    ids = list(range(2, 40)) + [100, 101, 599]
+    ids = list(range(FIRST_WORD, FIRST_WORD + 40)) + [400, 401, 599]
     assert tok.encode(words(ids)) == ids
-    assert tok.decode([10, 11]) == "t10 t11"
+    assert words([FIRST_WORD, FIRST_WORD + 25, FIRST_WORD + 26]) == " a z aa"
+    assert tok.decode([FIRST_WORD + 27, FIRST_WORD + 28]) == " ab ac"
+    assert isinstance(tok.detokenizer, BPEStreamingDetokenizer)
     assert tok.eos_token_ids == {0}
     assert len(model.layers) == 2
+    # EOS's output row is zero (tied embeddings: the embedding's row), so greedy decoding
+    # never ends early and requests need no logit bias.
+    assert mx.abs(model.model.embed_tokens.weight[EOS]).max().item() == 0
+    assert mx.abs(model.model.embed_tokens.weight[EOS + 2]).max().item() > 0
+
+
+def test_random_shapes_carry_their_real_models_context(tmp_path):
+    assert SHAPES["llama-3.2-1b"]["max_position_embeddings"] == 131072
+    assert SHAPES["llama-3-8b"]["max_position_embeddings"] == 8192
+    with pytest.raises(ValueError, match=f"vocab_size 200: it must be above {FIRST_WORD}"):
+        build("smollm2-135m", tmp_path, **{**TINY, "vocab_size": 200})
 
 
 def test_a_hybrid_random_model_takes_one_token_a_word_through_its_own_tokenizer(tmp_path):

@@ -94,9 +94,11 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     argv = [
         "--shape", "tiny", "--dtype", "float32", "--concurrency", "1,2",
         "--max-tokens", "6", "--rounds", "1", "--cached-prefix", "64", "--cached-requests", "2",
-        "--question", "16", "--burst", "3", "--burst-prefix", "48",
+        "--question", "16", "--burst", "3", "--burst-prefix", "48", "--burst-rounds", "2",
         "--bandwidth-mib", "8", "--pool-tokens", "4096", "--json", str(out),
         "--decode-shared", "3x64", "--shared-max-tokens", "6", "--shared-prefix", "on",
+        "--agent-clients", "2", "--agent-rounds", "3", "--agent-prefix", "64",
+        "--agent-turn", "16", "--agent-max-tokens", "4",
     ]  # fmt: skip
     assert gpu_bench.main(argv) == 0
     report = json.loads(out.read_text())
@@ -133,6 +135,19 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert burst["stock"]["prompt_tokens"] == burst["radix"]["prompt_tokens"] == 3 * (48 + 16)
     # The plugin computes the new prefix once; the questions each time.
     assert 48 + 3 * 16 <= burst["radix"]["prompt_tokens_computed"] < 3 * (48 + 16)
+    for name in ("stock", "radix"):
+        first, later = burst[name]["ttft_mean_s_by_round"]  # each round on a new prefix
+        assert burst[name]["first_ttft_mean_s"] == first and burst[name]["ttft_mean_s"] == later
+
+    # The agent loop: every turn's history holds the replies, so turns after the first hit
+    # what the plugin cached of the turn before, and both servers reply alike.
+    agent = shape["agent"]
+    assert (agent["clients"], agent["rounds"]) == (2, 3)
+    assert agent["greedy_match"] == 2
+    for name in ("stock", "radix"):
+        assert agent[name]["prompt_tokens"] > 2 * 3 * (64 + 16)
+    assert agent["radix"]["prompt_tokens_computed"] < agent["radix"]["prompt_tokens"] / 2
+    assert agent["wall_speedup"] == round(agent["stock"]["wall_s"] / agent["radix"]["wall_s"], 3)
 
     # The floor: the step's bytes over the measured copy bandwidth.
     floor = shape["floor"]
@@ -147,6 +162,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert "| tiny | decode, 2 concurrent: tokens/s (ms/token) |" in table
     assert "| tiny | burst of 3 on a new 48-token prefix: prompt tokens computed |" in table
     assert "| tiny | decode, 3 requests on a cached 64-token prefix, 6 out: tokens/s |" in table
+    assert "| tiny | agent loop, 2 clients x 3 turns of +16 on a 64-token prefix: wall |" in table
 
 
 @pytest.mark.slow
@@ -182,8 +198,10 @@ def test_two_ranks_under_mlx_launch_serve_both_and_the_plugin_hits(tmp_path, mon
         "--shape", "tiny", "--dtype", "float32", "--ranks", "2", "--backend", "ring",
         "--concurrency", "1,2", "--max-tokens", "6", "--rounds", "1", "--cached-prefix", "64",
         "--cached-requests", "2", "--question", "16", "--burst", "3", "--burst-prefix", "48",
-        "--bandwidth-mib", "8", "--pool-tokens", "4096", "--json", str(out),
-        "--decode-shared", "2x48", "--shared-max-tokens", "4",
+        "--burst-rounds", "1", "--bandwidth-mib", "8", "--pool-tokens", "4096",
+        "--json", str(out), "--decode-shared", "2x48", "--shared-max-tokens", "4",
+        "--workload", "decode", "--workload", "decode-shared", "--workload", "cached-prefix",
+        "--workload", "burst",
     ]  # fmt: skip
     assert gpu_bench.main(argv) == 0
     report = json.loads(out.read_text())

@@ -1,10 +1,14 @@
 """Random-weight model directories of real shapes, built offline, for benchmarks.
 
-The tokenizer is a word-level one with one word per token id (``t2`` ... ``tN``; ids 0
-and 1 are ``<eos>`` and ``<unk>``), so a prompt of N words is exactly N tokens and
-every id the model emits decodes. Where transformers gives a model type a tokenizer class
-of its own, which puts its own byte-level splitting in front of any vocabulary (Qwen3.5's),
-it is a byte-level BPE of three-letter words instead: a word after a space is one token.
+The tokenizer is a byte-level BPE, the kind Llama-3, Qwen and SmolLM2 ship, so mlx-lm
+streams its output through the same detokenizer as theirs (``BPEStreamingDetokenizer``; a
+word-level one gets ``NaiveStreamingDetokenizer``, which decodes the whole line again at
+every token). Ids 0 and 1 are ``<eos>`` and ``<unk>``, then the 256 byte symbols, then
+every id from ``FIRST_WORD`` on is one lowercase word after a space (all 1-letter words,
+then 2-letter, ... up to the vocabulary's size), so ``words(ids)`` is exactly ``ids``
+again. The weights give EOS a logit of 0 (its output row is zero), which never tops the
+random logits of a real vocabulary: greedy outputs run to full length with no logit bias,
+as real clients send none.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=3,
         vocab_size=49152,
         tie_word_embeddings=True,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
     ),
     "llama-3.2-1b": dict(
         model_type="llama",
@@ -35,6 +41,15 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=8,
         vocab_size=128256,
         tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_position_embeddings=131072,
     ),
     "llama-3-8b": dict(
         model_type="llama",
@@ -45,6 +60,8 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=8,
         vocab_size=128256,
         tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
     ),
     # Qwen3.5-0.8B's layers (its published config): 18 gated delta net layers and full
     # attention every 4th, 2 KV heads of 256. The vocabulary is SmolLM2's: the real 248,320
@@ -66,10 +83,9 @@ SHAPES: dict[str, dict] = {
         rope_parameters={"type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
         vocab_size=49152,
         tie_word_embeddings=True,
+        max_position_embeddings=262144,
     ),
 }
-# Model types whose tokenizer class in transformers splits text its own byte-level way.
-BYTE_LEVEL_TOKENIZERS = {"qwen3_5"}
 # SmolLM2-135M's layout at a size MLX's CPU backend runs in milliseconds: for tests and
 # smoke runs of the benchmarks (``build("smollm2-135m", path, **TINY)``).
 TINY = dict(
@@ -82,68 +98,82 @@ TINY = dict(
 )
 EOS, UNK = 0, 1
 SPECIAL = {"<eos>": EOS, "<unk>": UNK}
+FIRST_WORD = len(SPECIAL) + 256  # the first id that is a word (after the byte symbols)
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _word(index: int) -> str:
+    """The ``index``-th word: the 26 one-letter words, then the 676 two-letter ones, ..."""
+    length = 1
+    while index >= len(LETTERS) ** length:
+        index -= len(LETTERS) ** length
+        length += 1
+    letters = []
+    for _ in range(length):
+        index, r = divmod(index, len(LETTERS))
+        letters.append(LETTERS[r])
+    return "".join(reversed(letters))
 
 
 def words(ids) -> str:
-    """The text whose tokens are ``ids`` (each >= 2)."""
-    return " ".join(f"t{i}" for i in ids)
+    """The text whose tokens are ``ids`` (each at least ``FIRST_WORD``)."""
+    return "".join(" " + _word(i - FIRST_WORD) for i in ids)
 
 
-def _byte_level_words(vocab_size: int):
-    """A byte-level BPE whose merges make each three-letter word after a space one token."""
-    import itertools
-    import string
+def _byte_level_bpe(vocab_size: int):
+    """The byte-level BPE of the module's docstring: a word's token is merged letter by
+    letter from the space's byte symbol, so every shorter word is a token too."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    letters = string.ascii_lowercase
-    words = ["".join(w) for w in itertools.product(letters, repeat=3)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    symbols = pre_tokenizers.ByteLevel.alphabet()
+    space = next(c for c in symbols if ord(c) == 0x120)  # GPT-2's symbol for " "
+    alphabet = sorted(symbols, key=lambda c: (c != space, c))
+    vocab = {**SPECIAL, **{c: len(SPECIAL) + i for i, c in enumerate(alphabet)}}
+    merges = []
+    for i in range(vocab_size - FIRST_WORD):
+        word = _word(i)
+        vocab[space + word] = FIRST_WORD + i
+        merges.append((space + word[:-1], word[-1]))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=min(vocab_size, 8192),
-        special_tokens=list(SPECIAL),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(
-        [" ".join(words[i : i + 64]) for i in range(0, len(words), 64)], trainer
-    )
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL])
     return tok
 
 
 def build(shape: str, path: Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
     """Write a loadable model directory of ``shape`` (config keys overridable)."""
     from mlx_lm.utils import _get_classes
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = dict(
-        SHAPES[shape],
+    if vocab := overrides.get("vocab_size"):
+        if vocab <= FIRST_WORD:
+            raise ValueError(f"vocab_size {vocab}: it must be above {FIRST_WORD} (byte symbols)")
+    config = {
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        **SHAPES[shape],
         **overrides,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=8192,
-        eos_token_id=EOS,
-        torch_dtype=dtype,
-    )
+        "rms_norm_eps": 1e-5,
+        "eos_token_id": EOS,
+        "torch_dtype": dtype,
+    }
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
-    model.update(tree_map(lambda p: p.astype(getattr(mx, dtype)), model.parameters()))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    cast = tree_map(lambda p: p.astype(getattr(mx, dtype)), model.parameters())
+    weights = dict(tree_flatten(cast))
+    # EOS's output row is zero: its logit is 0, below the largest of the random others.
+    heads = [k for k in weights if k.endswith("lm_head.weight")]
+    heads = heads or [k for k in weights if k.endswith("embed_tokens.weight")]
+    weights[heads[0]][EOS] = 0
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))
 
-    if config["model_type"] in BYTE_LEVEL_TOKENIZERS:
-        tok = _byte_level_words(config["vocab_size"])
-    else:
-        vocab = {**SPECIAL, **{f"t{i}": i for i in range(2, config["vocab_size"])}}
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = _byte_level_bpe(config["vocab_size"])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(

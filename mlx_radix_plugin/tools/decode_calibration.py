@@ -50,6 +50,54 @@ def parse_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def make_generator(
+    model,
+    prompts,
+    mode: str,
+    max_tokens: int,
+    page_size: int = 16,
+    pool_tokens: int | None = None,
+    processors: list | None = None,
+    chunk_mib: int = 0,
+    samplers: list | None = None,
+):
+    """``prompts`` inserted into mlx-lm's ``BatchGenerator`` (``mode`` stock) or the engine
+    (``off``: the exact path; ``on``, ``split``, ``masked``: the shared one), each row with
+    its ``processors`` and ``samplers`` (mlx-lm's per-request lists; None: none, greedy).
+    The engine's pool holds ``pool_tokens`` (default: what the prompts need)."""
+    from mlx_lm.generate import BatchGenerator
+
+    from ..cache.prompt_cache import RadixPromptCache
+    from ..engine import attention
+    from ..engine.generator import RadixBatchGenerator
+    from ..memory.pool import KVPool
+
+    n = len(prompts)
+    sizes = dict(completion_batch_size=max(32, n), prefill_batch_size=min(n, 8))
+    extra = dict(logits_processors=processors or [[]] * n, samplers=samplers)
+    attention.VARIANT = mode if mode in ("split", "masked") else None
+    if mode == "stock":
+        gen = BatchGenerator(model, **sizes)
+        gen.insert(prompts, max_tokens=[max_tokens] * n, **extra)
+        return gen
+    tokens = pool_tokens or sum(map(len, prompts)) + n * (max_tokens + 16) + 4 * page_size
+    pool = KVPool.for_model(
+        model, page_size=page_size, pool_tokens=tokens, chunk_bytes=chunk_mib << 20 or None
+    )
+    rpc = RadixPromptCache(pool)
+    path = "off" if mode == "off" else "on"
+    gen = RadixBatchGenerator(model, rpc, shared_prefix=path, **sizes)
+    fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+    gen.insert_segments(
+        [[rest] for _, rest in fetched],
+        max_tokens=[max_tokens] * n,
+        caches=[c for c, _ in fetched],
+        all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+        **extra,
+    )
+    return gen
+
+
 def step_times(
     model,
     prompts,
@@ -68,41 +116,18 @@ def step_times(
     ``chunk_mib``: the pool's chunks (0: the server's default for that ceiling).
     """
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_logits_processors
 
-    from ..cache.prompt_cache import RadixPromptCache
     from ..engine import attention
-    from ..engine.generator import RadixBatchGenerator
-    from ..memory.pool import KVPool
 
     n = len(prompts)
-    sizes = dict(completion_batch_size=max(32, n), prefill_batch_size=min(n, 8))
     # Rows admitted in later prefill batches join a few steps after the first: enough
     # tokens that all decode together for ``steps`` steps and more.
     max_tokens = 3 * steps + 64
     processors = [make_logits_processors(logit_bias={0: -100.0}) if logit_bias else []] * n
-    attention.VARIANT = mode if mode in ("split", "masked") else None
-    if mode == "stock":
-        gen = BatchGenerator(model, **sizes)
-        gen.insert(prompts, max_tokens=[max_tokens] * n, logits_processors=processors)
-    else:
-        tokens = pool_tokens or sum(map(len, prompts)) + n * (steps + 16) + 4 * page_size
-        pool = KVPool.for_model(
-            model, page_size=page_size, pool_tokens=tokens, chunk_bytes=chunk_mib << 20 or None
-        )
-        rpc = RadixPromptCache(pool)
-        path = "off" if mode == "off" else "on"
-        gen = RadixBatchGenerator(model, rpc, shared_prefix=path, **sizes)
-        fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
-        gen.insert_segments(
-            [[rest] for _, rest in fetched],
-            max_tokens=[max_tokens] * n,
-            caches=[c for c, _ in fetched],
-            all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
-            logits_processors=processors,
-        )
-        del fetched
+    gen = make_generator(
+        model, prompts, mode, max_tokens, page_size, pool_tokens, processors, chunk_mib
+    )
     times, finished = [], 0
     while len(times) < steps + 4:
         if finished:

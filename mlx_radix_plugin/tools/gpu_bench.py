@@ -1,10 +1,12 @@
 """Stock ``mlx_lm.server`` and the radix plugin side by side on a GPU, real-shape models.
 
 For each shape a random-weight model is built on the spot (bf16 by default, no
-download) and both servers are started on it. Measured, same requests to both:
-decode tokens/s at 1, 8 and 32 concurrent requests; time to first token on a cached
-4,096-token shared prefix; a burst of 32 requests on one new 2,048-token prefix; and,
-with each server alone on the device, decode of many requests on one cached prefix.
+download; a byte-level BPE tokenizer and its real model's context, models/random_model.py)
+and both servers are started on it. Measured, same requests to both: decode tokens/s at 1,
+8 and 32 concurrent requests; time to first token on a cached 4,096-token shared prefix;
+bursts of 32 requests on a new 2,048-token prefix each, the first apart; an agent loop of
+clients whose turns grow one shared prefix; and, with each server alone on the device,
+decode of many requests on one cached prefix.
 Decode at one request is set against the memory-bandwidth floor: the bytes one step
 reads (weights + K/V) over the copy bandwidth measured on the same device.
 
@@ -26,6 +28,8 @@ import argparse
 import contextlib
 import gc
 import json
+import shutil
+import signal
 import statistics
 import struct
 import subprocess
@@ -38,14 +42,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..models.random_model import SHAPES, TINY, build, words
+from ..models.random_model import FIRST_WORD, SHAPES, TINY, build, words
 from .bench.command import NO_EOS, Requests, server_env
 from .bench.servers import Launched, ServerProcess, free_port, free_ports, mlx_launch
 from .decode_calibration import parse_grid
 
 DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
 SERVERS = ("stock", "radix")
-WORKLOADS = ("decode", "decode-shared", "cached-prefix", "burst")
+WORKLOADS = ("decode", "decode-shared", "cached-prefix", "burst", "agent")
 
 
 def progress(message: str) -> None:
@@ -136,6 +140,12 @@ def in_process_ms_per_token(model_dir: Path, prompt_len: int, max_tokens: int) -
     return 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
+# Random weights give EOS no chance (models/random_model.py): requests carry no logit bias,
+# as real clients' do not; ``--logit-bias`` bans EOS by one anyway, as the benchmark did
+# before (it adds a logits processor a row to every step of both servers).
+LOGIT_BIAS: dict = {}
+
+
 def stream_all(
     server: ServerProcess, prompts: list[str], max_tokens: int
 ) -> tuple[float, list[dict]]:
@@ -152,7 +162,7 @@ def stream_all(
             "prompt": prompts[i],
             "max_tokens": max_tokens,
             "temperature": 0.0,
-            "logit_bias": NO_EOS,
+            **({"logit_bias": LOGIT_BIAS} if LOGIT_BIAS else {}),
             "stream_options": {"include_usage": True},
         }
         out[i]["retries"] = 0
@@ -182,8 +192,13 @@ def stream_all(
     return time.perf_counter() - start, out
 
 
+def _ids(rng: Requests, n: int) -> list[int]:
+    """``n`` random word ids (each one token of the random model's tokenizer)."""
+    return [rng.randrange(FIRST_WORD, rng.vocab) for _ in range(n)]
+
+
 def _prompt(rng: Requests, n: int, prefix: list[int] = ()) -> str:
-    return words([*prefix, *(rng.randrange(2, rng.vocab) for _ in range(n))])
+    return words([*prefix, *_ids(rng, n)])
 
 
 def _computed(usage: dict) -> int:
@@ -215,13 +230,17 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
     per: dict[str, list[dict]] = {name: [] for name in servers}
     texts: dict[str, list[str]] = {name: [] for name in servers}
     retries = dict.fromkeys(servers, 0)
+    spy = batch == max(args.concurrency)
     for round_ in range(args.rounds):
         order = list(servers) if round_ % 2 == 0 else list(servers)[::-1]
         for name in order:
             rng = Requests(rng_seed + round_, args.vocab)
             prompts = [_prompt(rng, args.decode_prompt) for _ in range(batch)]
-            with alone(servers, name) as server:
+            record = _spy_path(args, f"{name}-{batch}") if spy and round_ == 0 else None
+            with alone(servers, name) as server, py_spy(server, record):
+                start = time.perf_counter()
                 wall, results = stream_all(server, prompts, args.max_tokens)
+            busy = args.utilization.mean(start, start + wall)
             tokens = sum(r["usage"]["completion_tokens"] for r in results)
             per_token = [
                 r["seconds"] / (r["usage"]["completion_tokens"] - 1)
@@ -229,7 +248,11 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
                 if r["usage"]["completion_tokens"] > 1
             ]
             per[name].append(
-                {"tokens_per_s": tokens / wall, "ms_per_token": 1000 * statistics.median(per_token)}
+                {
+                    "tokens_per_s": tokens / wall,
+                    "ms_per_token": 1000 * statistics.median(per_token),
+                    "device_busy": busy,
+                }
             )
             texts[name] += [r["text"] for r in results]
             retries[name] += sum(r["retries"] for r in results)
@@ -242,6 +265,9 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
     }
     for name, rounds in per.items():
         out[name]["tokens_per_s_by_round"] = [round(r["tokens_per_s"], 1) for r in rounds]
+        busy = [r["device_busy"] for r in rounds if r["device_busy"] is not None]
+        if busy:  # the GPU's share of the round spent running kernels
+            out[name]["device_busy"] = round(statistics.median(busy), 3)
     out["ratio"] = round(out["radix"]["tokens_per_s"] / out["stock"]["tokens_per_s"], 3)
     out["greedy_match"] = sum(a == b for a, b in zip(texts["stock"], texts["radix"]))
     out["requests"] = len(texts["stock"])
@@ -289,6 +315,73 @@ class DeviceMemoryPeak(threading.Thread):
         return self.peak_bytes
 
 
+class GpuUtilization(threading.Thread):
+    """``nvidia-smi``'s utilization of GPU 0 (the share of time a kernel ran) sampled every
+    50 ms; ``mean(start, end)`` over a span of ``time.perf_counter``, None where there is
+    no ``nvidia-smi``."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.samples: list[tuple[float, int]] = []
+        self._process = None
+
+    def run(self) -> None:
+        cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+        try:
+            self._process = subprocess.Popen(
+                [*cmd, "-lms", "50"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+        except OSError:
+            return
+        for line in self._process.stdout:
+            try:
+                value = int(line.split(",")[0])
+            except ValueError:
+                continue
+            self.samples.append((time.perf_counter(), value))
+
+    def mean(self, start: float, end: float) -> float | None:
+        inside = [v for t, v in self.samples if start <= t <= end]
+        return statistics.fmean(inside) / 100 if inside else None
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+
+
+@contextlib.contextmanager
+def py_spy(server: ServerProcess, path: Path | None):
+    """``py-spy record`` of ``server`` (native frames, every thread) for the block, as raw
+    collapsed stacks in ``path``; nothing when ``path`` is None or py-spy is missing.
+
+    Native frames need the process paused while it is sampled: on the H200 at 200 samples
+    a second that slowed a 32-row decode round of stock's server several times over, so
+    the rate is 50 and the figures of a recorded round are not the server's own."""
+    exe = shutil.which("py-spy")
+    if path is None or exe is None or isinstance(server, Launched):
+        yield
+        return
+    cmd = [exe, "record", "--native", "--threads", "-r", "50", "-f", "raw"]
+    spy = subprocess.Popen(
+        [*cmd, "-o", str(path), "-p", str(server.proc.pid)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # it writes the file when interrupted
+        try:
+            spy.wait(60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+
+
+def _spy_path(args, name: str) -> Path | None:
+    """Where ``--py-spy`` keeps the recording ``name``; None without it."""
+    return Path(args.py_spy) / f"{name}.txt" if args.py_spy else None
+
+
 class _StatsPoller(threading.Thread):
     """Reads the plugin's /v1/cache/stats every 50 ms while a round runs: the largest K/V
     it held (pool pages live requests lock, plus batch buffers) and the decode paths seen
@@ -327,7 +420,7 @@ class _StatsPoller(threading.Thread):
 def _shared_round(server: ServerProcess, name: str, args, rows: int, prefix: int, seed: int):
     """One round of decode-shared on ``server``: (decode tokens/s, texts, what stats saw)."""
     rng = Requests(seed, args.vocab)
-    shared = [rng.randrange(2, rng.vocab) for _ in range(prefix)]
+    shared = _ids(rng, prefix)
     warm = _prompt(rng, args.question, shared)
     prompts = [_prompt(rng, args.question, shared) for _ in range(rows)]
     stream_all(server, [warm], 2)  # the prefix is cached before the round
@@ -398,7 +491,7 @@ def measure_cached_prefix(servers: dict, args, rng_seed: int) -> dict:
     out = {}
     for name in servers:
         rng = Requests(rng_seed, args.vocab)
-        prefix = [rng.randrange(2, rng.vocab) for _ in range(args.cached_prefix)]
+        prefix = _ids(rng, args.cached_prefix)
         ttft, cached = [], []
         with alone(servers, name) as server:
             stream_all(server, [_prompt(rng, args.question, prefix)], 2)  # caches the prefix
@@ -413,24 +506,102 @@ def measure_cached_prefix(servers: dict, args, rng_seed: int) -> dict:
 
 
 def measure_burst(servers: dict, args, rng_seed: int) -> dict:
-    """``args.burst`` requests on one new prefix, sent at once."""
+    """``args.burst`` requests on one new prefix, sent at once, ``args.burst_rounds`` times,
+    each round on a prefix of its own. The first round is the first burst since the server
+    started (its new shapes' first use included); the figures are the later rounds' medians."""
     out = {}
     for name in servers:
-        rng = Requests(rng_seed, args.vocab)
-        prefix = [rng.randrange(2, rng.vocab) for _ in range(args.burst_prefix)]
-        prompts = [_prompt(rng, args.question, prefix) for _ in range(args.burst)]
+        rounds = []
         with alone(servers, name) as server:
-            wall, results = stream_all(server, prompts, 8)
+            for round_ in range(args.burst_rounds):
+                rng = Requests(rng_seed + round_, args.vocab)
+                prefix = _ids(rng, args.burst_prefix)
+                prompts = [_prompt(rng, args.question, prefix) for _ in range(args.burst)]
+                spy = _spy_path(args, f"{name}-burst") if round_ == 1 else None
+                with py_spy(server, spy):
+                    wall, results = stream_all(server, prompts, 8)
+                rounds.append(
+                    {
+                        **_ttft_summary([r["ttft"] for r in results]),
+                        "wall_s": round(wall, 3),
+                        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in results),
+                        "prompt_tokens_computed": sum(_computed(r["usage"]) for r in results),
+                        "connection_retries": sum(r["retries"] for r in results),
+                    }
+                )
+        later = rounds[1:] or rounds
         out[name] = {
-            **_ttft_summary([r["ttft"] for r in results]),
-            "wall_s": round(wall, 3),
-            "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in results),
-            "prompt_tokens_computed": sum(_computed(r["usage"]) for r in results),
-            "connection_retries": sum(r["retries"] for r in results),
+            **{
+                key: round(statistics.median(r[key] for r in later), 4)
+                for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "wall_s")
+            },
+            "first_ttft_mean_s": rounds[0]["ttft_mean_s"],
+            "ttft_mean_s_by_round": [r["ttft_mean_s"] for r in rounds],
+            "prompt_tokens": rounds[-1]["prompt_tokens"],
+            "prompt_tokens_computed": rounds[-1]["prompt_tokens_computed"],
+            "connection_retries": sum(r["connection_retries"] for r in rounds),
         }
     out["speedup"] = round(out["stock"]["ttft_mean_s"] / out["radix"]["ttft_mean_s"], 3)
     out["requests"] = args.burst
     out["shared_prefix"] = args.burst_prefix
+    out["rounds"] = args.burst_rounds
+    return out
+
+
+def _agent_session(server: ServerProcess, args, rng_seed: int) -> dict:
+    """One agent loop on ``server`` (``measure_agent``): wall, TTFTs, tokens, final texts."""
+    rng = Requests(rng_seed, args.vocab)
+    shared = words(_ids(rng, args.agent_prefix))
+    out = {"ttft": [], "prompt_tokens": 0, "computed": 0, "texts": [""] * args.agent_clients}
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        own = Requests(rng_seed * 1000 + i, args.vocab)
+        text = shared
+        for _ in range(args.agent_rounds):
+            text += words(_ids(own, args.agent_turn))
+            _, (r,) = stream_all(server, [text], args.agent_max_tokens)
+            text += r["text"]
+            with lock:
+                out["ttft"].append(r["ttft"])
+                out["prompt_tokens"] += r["usage"]["prompt_tokens"]
+                out["computed"] += _computed(r["usage"])
+        out["texts"][i] = text
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(args.agent_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out["wall"] = time.perf_counter() - start
+    if len(out["ttft"]) != args.agent_clients * args.agent_rounds:
+        raise RuntimeError("an agent request failed; see the server's log")
+    return out
+
+
+def measure_agent(servers: dict, args, rng_seed: int) -> dict:
+    """An agent loop: ``args.agent_clients`` clients at once, each ``args.agent_rounds``
+    turns on one shared ``args.agent_prefix``-token prefix (a system prompt of tool
+    definitions, say); a turn adds ``args.agent_turn`` tokens of its own, and the reply
+    (``args.agent_max_tokens`` tokens) is sent back as text in the next turn's history."""
+    out: dict = {}
+    texts = {}
+    for name in servers:
+        with alone(servers, name) as server, py_spy(server, _spy_path(args, f"{name}-agent")):
+            run = _agent_session(server, args, rng_seed)
+        texts[name] = run["texts"]
+        out[name] = {
+            "wall_s": round(run["wall"], 3),
+            **_ttft_summary(run["ttft"]),
+            "prompt_tokens": run["prompt_tokens"],
+            "prompt_tokens_computed": run["computed"],
+        }
+    out["wall_speedup"] = round(out["stock"]["wall_s"] / out["radix"]["wall_s"], 3)
+    out["ttft_p50_speedup"] = round(out["stock"]["ttft_p50_s"] / out["radix"]["ttft_p50_s"], 3)
+    out["greedy_match"] = sum(a == b for a, b in zip(texts["stock"], texts["radix"]))
+    out["clients"], out["rounds"] = args.agent_clients, args.agent_rounds
+    out["shared_prefix"], out["turn"] = args.agent_prefix, args.agent_turn
     return out
 
 
@@ -492,8 +663,13 @@ def shape_config(shape: str) -> tuple[str, dict]:
 def bench_shape(shape: str, args, work: Path) -> dict:
     base, overrides = shape_config(shape)
     started = time.perf_counter()
-    progress(f"{shape}: building random {args.dtype} weights")
-    model_dir = build(base, work / shape, dtype=args.dtype, **overrides)
+    if args.models and (Path(args.models) / shape / "config.json").exists():
+        model_dir = Path(args.models) / shape
+        progress(f"{shape}: random weights of an earlier run, {model_dir}")
+    else:
+        progress(f"{shape}: building random {args.dtype} weights")
+        where = Path(args.models) if args.models else work
+        model_dir = build(base, where / shape, dtype=args.dtype, **overrides)
     mx.clear_cache()
     config = json.loads((model_dir / "config.json").read_text())
     args.vocab = min(config["vocab_size"], 30000)
@@ -559,6 +735,9 @@ def _side_by_side_workloads(shape: str, servers: dict, args, report: dict) -> No
     if "burst" in args.workload:
         progress(f"{shape}: burst")
         report["burst"] = measure_burst(servers, args, args.seed + 11)
+    if "agent" in args.workload:
+        progress(f"{shape}: agent loop")
+        report["agent"] = measure_agent(servers, args, args.seed + 17)
     report["radix_stats"] = servers["radix"].stats()
 
 
@@ -579,7 +758,9 @@ def markdown(report: dict) -> str:
         name = s["shape"]
         for b, d in s.get("decode", {}).items():
             stock, radix = (
-                f"{d[k]['tokens_per_s']:.0f} ({d[k]['ms_per_token']:.2f})" for k in SERVERS
+                f"{d[k]['tokens_per_s']:.0f} ({d[k]['ms_per_token']:.2f}"
+                + (f"; GPU busy {d[k]['device_busy']:.0%})" if "device_busy" in d[k] else ")")
+                for k in SERVERS
             )
             workload = f"decode, {b} concurrent: tokens/s (ms/token)"
             row(name, workload, stock, radix, f"{d['ratio']:.2f}x")
@@ -607,8 +788,20 @@ def markdown(report: dict) -> str:
                 f"{_ms(b[k]['ttft_mean_s'])} / {_ms(b[k]['ttft_p95_s'])}" for k in SERVERS
             )
             row(name, f"{burst}: TTFT mean / p95", stock, radix, f"{b['speedup']:.2f}x")
+            stock, radix = (_ms(b[k]["first_ttft_mean_s"]) for k in SERVERS)
+            row(name, f"{burst}: the first burst's TTFT mean", stock, radix)
             stock, radix = (f"{b[k]['prompt_tokens_computed']:,}" for k in SERVERS)
             row(name, f"{burst}: prompt tokens computed", stock, radix)
+        if "agent" in s:
+            a = s["agent"]
+            loop = (
+                f"agent loop, {a['clients']} clients x {a['rounds']} turns of +{a['turn']} "
+                f"on a {a['shared_prefix']}-token prefix"
+            )
+            stock, radix = (f"{a[k]['wall_s']:.2f} s" for k in SERVERS)
+            row(name, f"{loop}: wall", stock, radix, f"{a['wall_speedup']:.2f}x")
+            stock, radix = (_ms(a[k]["ttft_p50_s"]) for k in SERVERS)
+            row(name, f"{loop}: TTFT p50", stock, radix, f"{a['ttft_p50_speedup']:.2f}x")
         if "floor" in s:
             f = s["floor"]
             if "in_process_over_floor" in f:
@@ -686,6 +879,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--question", type=int, default=32, help="tokens after a shared prefix")
     p.add_argument("--burst", type=int, default=32, help="burst: requests")
     p.add_argument("--burst-prefix", type=int, default=2048, help="burst: shared prefix tokens")
+    p.add_argument("--burst-rounds", type=_positive_int, default=3, help="burst: rounds")
+    p.add_argument("--agent-clients", type=_positive_int, default=8, help="agent: clients")
+    p.add_argument("--agent-rounds", type=_positive_int, default=6, help="agent: turns a client")
+    p.add_argument("--agent-prefix", type=int, default=4096, help="agent: shared prefix tokens")
+    p.add_argument("--agent-turn", type=int, default=512, help="agent: tokens a turn adds")
+    p.add_argument("--agent-max-tokens", type=int, default=64, help="agent: tokens a reply")
+    p.add_argument(
+        "--logit-bias",
+        action="store_true",
+        help="every request bans EOS with a logit bias (a logits processor a row)",
+    )
+    p.add_argument(
+        "--py-spy",
+        metavar="DIR",
+        help="record each server with py-spy (native frames) in its largest decode round, a "
+        "burst and the agent loop",
+    )
     p.add_argument(
         "--pool-tokens",
         type=int,
@@ -711,6 +921,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["ring", "nccl"],
         help="mlx.launch's backend with --ranks > 1 (default: nccl where MLX has CUDA, else ring)",
     )
+    p.add_argument(
+        "--models",
+        metavar="DIR",
+        help="keep the random models here and use those an earlier run left (same --dtype)",
+    )
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
     args.shape = args.shape or list(DEFAULT_SHAPES)
@@ -733,7 +948,13 @@ def main(argv: list[str] | None = None) -> int:
         serve_radix(argv[1:])
         return 0
     args = parse_args(argv)
+    global LOGIT_BIAS
+    LOGIT_BIAS = NO_EOS if args.logit_bias else {}
     args.bandwidth = copy_bandwidth(args.bandwidth_mib << 20)
+    args.utilization = GpuUtilization()  # sampled for the whole run where nvidia-smi answers
+    args.utilization.start()
+    if args.py_spy:
+        Path(args.py_spy).mkdir(parents=True, exist_ok=True)
     report = {
         "device": str(mx.default_device()),
         "device_name": mx.device_info().get("device_name", ""),
@@ -756,6 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
+    args.utilization.stop()
     print(markdown(report))
     return 1 if any("error" in s for s in report["shapes"]) else 0
 

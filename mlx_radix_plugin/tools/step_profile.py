@@ -1,0 +1,243 @@
+"""Where a decode step's time goes, in process: stock mlx-lm's BatchGenerator and the engine.
+
+For each batch size, ROWS requests with short prompts of their own decode together; once
+every row decodes, each step's wall time is split into the host's parts:
+
+- ``model_ms``: Python building the model's graph (the forward call);
+- ``launch_ms``: ``mx.async_eval`` of the next step, which on a GPU encodes and launches its
+  kernels (on MLX's CUDA backend: adding them to a CUDA graph, updating and launching it);
+- ``wait_ms``: ``mx.eval`` of the step before, that is waiting for the device;
+- ``other_ms``: the rest (sampling's and logits processors' graphs, per-row Python).
+
+Where ``nvidia-smi`` answers, ``device_busy`` is the GPU's utilization over the same steps
+(the share of time a kernel ran) and ``device_ms`` that share of a step: what the device
+itself needs against what the step takes.
+
+    python -m mlx_radix_plugin.tools.step_profile --shape llama-3-8b --dtype bfloat16
+    python -m mlx_radix_plugin.tools.step_profile --rows 32 --temperature 0.7   # tiny: host costs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from .decode_calibration import make_generator
+
+MODES = ("stock", "off")
+PARTS = ("model_ms", "launch_ms", "wait_ms")
+
+
+class _Clock:
+    """Seconds spent inside the calls it wraps, by part, since the last ``take``."""
+
+    def __init__(self):
+        self.spent = dict.fromkeys(PARTS, 0.0)
+
+    def wrap(self, part: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[part] += time.perf_counter() - start
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        spent, self.spent = self.spent, dict.fromkeys(PARTS, 0.0)
+        return spent
+
+
+class _TimedModel:
+    """The model, its forward calls timed (mlx-lm's batches call ``generator.model``)."""
+
+    def __init__(self, model, clock: _Clock):
+        self._model = model
+        self._call = clock.wrap("model_ms", model.__call__)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def graph_ops(arrays) -> Counter:
+    """The operations (primitives) of the unevaluated graph behind ``arrays``, by name."""
+    import mlx.core as mx
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        return Counter(re.findall(r'label ="([^"]+)", shape=rectangle', f.read()))
+
+
+@contextlib.contextmanager
+def timed_evals(clock: _Clock):
+    """``mx.eval`` and ``mx.async_eval`` timed for the block, wherever they are called."""
+    import mlx.core as mx
+
+    saved = mx.eval, mx.async_eval
+    mx.eval, mx.async_eval = clock.wrap("wait_ms", mx.eval), clock.wrap("launch_ms", mx.async_eval)
+    try:
+        yield
+    finally:
+        mx.eval, mx.async_eval = saved
+
+
+def profile(model, rows: int, mode: str, steps: int, args, gpu) -> dict:
+    """Median parts of a step of ``rows`` requests decoding together, in ms."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+    from mlx_lm_hooks.sampling import LogitBias
+
+    rng = random.Random(f"{rows}-{mode}")
+    prompts = [[rng.randrange(2, args.vocab) for _ in range(args.prompt)] for _ in range(rows)]
+    # What each server gives its requests: stock a sampler and processors of their own for
+    # each; the hooks' server one sampler for equal settings and a readable logit bias
+    # (mlx_lm_hooks/sampling.py).
+    if mode == "stock":
+        samplers = [make_sampler(args.temperature) for _ in range(rows)]
+        bias = lambda: make_logits_processors(logit_bias={0: -100.0})  # noqa: E731
+    else:
+        samplers = [make_sampler(args.temperature)] * rows
+        bias = lambda: [LogitBias({0: -100.0})]  # noqa: E731
+    processors = [bias() if args.logit_bias else [] for _ in range(rows)]
+    clock = _Clock()
+    gen = make_generator(model, prompts, mode, steps + 64, processors=processors, samplers=samplers)
+    # mlx-lm's batches call the model their generator was made with.
+    gen.model = gen._generation_batch.model = _TimedModel(model, clock)
+    walls, parts, ops = [], [], Counter()
+    launch = mx.async_eval
+
+    def counted(*arrays):
+        # What the first measured step launches (the next step's graph, the pool's writes).
+        if len(walls) == 8:
+            ops.update(graph_ops(_leaves(arrays)))
+        return launch(*arrays)
+
+    mx.async_eval = counted
+    try:
+        _run(gen, rows, steps, clock, walls, parts, args.nvtx)
+    finally:
+        mx.async_eval = launch
+    gen.close()
+    mx.clear_cache()
+    return _summary(walls[8:], parts[8:], ops, gpu)
+
+
+def _leaves(tree) -> list:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    return [a for _, a in tree_flatten(list(tree)) if isinstance(a, mx.array)]
+
+
+def _run(gen, rows: int, steps: int, clock: _Clock, walls: list, parts: list, nvtx) -> None:
+    with timed_evals(clock):
+        while len(walls) < steps + 8:
+            clock.take()
+            if nvtx and len(walls) >= 8:
+                nvtx.range_push("step")
+            start = time.perf_counter()
+            responses = gen.next()[1]
+            wall = time.perf_counter() - start
+            if nvtx and len(walls) >= 8:
+                nvtx.range_pop()
+            spent = clock.take()
+            if len(responses) == rows:  # every row decoded: no prefill in this call
+                walls.append((start, wall))
+                parts.append(spent)
+
+
+def _summary(measured: list, parts: list, ops: Counter, gpu) -> dict:
+    """Medians of the measured steps (the first ones, which build kernels and buffers, are
+    left out), the device's share of them, and the operations one step launches."""
+    out = {"step_ms": round(1000 * statistics.median(w for _, w in measured), 3)}
+    for part in PARTS:
+        out[part] = round(1000 * statistics.median(p[part] for p in parts), 3)
+    out["other_ms"] = round(out["step_ms"] - sum(out[p] for p in PARTS), 3)
+    busy = gpu.mean(measured[0][0], measured[-1][0] + measured[-1][1])
+    if busy is not None:
+        out["device_busy"] = round(busy, 3)
+        out["device_ms"] = round(busy * out["step_ms"], 3)
+    out["ops"] = sum(ops.values())
+    out["ops_by_kind"] = dict(ops.most_common(12))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mlx_lm_hooks import blas
+
+    blas.preload()  # before MLX is imported: this is a command's entry point
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from ..models.random_model import SHAPES, build
+    from .gpu_bench import GpuUtilization, _positive_ints, shape_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="model directory (else --shape builds random weights)")
+    p.add_argument("--shape", choices=[*sorted(SHAPES), "tiny"], default="tiny")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--rows", type=_positive_ints, default=[1, 8, 32], help="e.g. 1,8,32")
+    p.add_argument("--modes", default="stock,off", help=f"of {', '.join(MODES)}, comma-separated")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens a row")
+    p.add_argument("--steps", type=int, default=48, help="decode steps timed a point")
+    p.add_argument("--temperature", type=float, default=0.0, help="every row samples at this")
+    p.add_argument("--logit-bias", action="store_true", help="every row bans EOS by a logit bias")
+    p.add_argument(
+        "--nvtx",
+        action="store_true",
+        help="mark each measured step as an NVTX range 'step' (for ncu --nvtx-include step/; "
+        "through PyTorch's NVTX binding)",
+    )
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    if args.nvtx:
+        from torch.cuda import nvtx
+
+        args.nvtx = nvtx
+    modes = args.modes.split(",")
+    if not modes or not set(modes) <= set(MODES):
+        p.error(f"--modes {args.modes!r}: expected some of {', '.join(MODES)}")
+    gpu = GpuUtilization()
+    gpu.start()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="step-profile-") as tmp:
+        if args.model:
+            model_dir = Path(args.model)
+        else:
+            base, overrides = shape_config(args.shape)
+            model_dir = build(base, Path(tmp), args.dtype, **overrides)
+        args.vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 30000)
+        model, _ = load(str(model_dir))
+        for n in args.rows:
+            for mode in modes:
+                row = {"rows": n, "mode": mode, **profile(model, n, mode, args.steps, args, gpu)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    gpu.stop()
+    report = {
+        "device": str(mx.default_device()),
+        "model": args.model or f"{args.shape} ({args.dtype})",
+        "temperature": args.temperature,
+        "logit_bias": args.logit_bias,
+        "rows": rows,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
