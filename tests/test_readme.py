@@ -101,3 +101,10 @@ def test_relative_links_point_to_existing_files(doc):
 
 def test_docs_exist():
     assert {p.name for p in DOCS} >= {"benchmarks.md", "gpu.md", "design.md"}
+
+
+def test_readme_stays_a_user_s_and_results_keep_current_reports_only():
+    """README is for users, at most 250 lines; results/ holds the current report of each
+    platform and workload family, at most 8 files (the rest is in git)."""
+    assert len(README.read_text().splitlines()) <= 250
+    assert len(list((ROOT / "results").iterdir())) <= 8
