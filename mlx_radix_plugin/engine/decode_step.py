@@ -14,7 +14,7 @@ a sampler and processors of its own). Here:
   whose processors are no more than that keep no token context (a logit bias reads none);
 - any other processor runs on its row, with the row's context, as in stock;
 - the sampled tokens' log-probabilities are picked in the step's own graph and read with
-  its tokens, one ``tolist`` for the batch: mlx_lm.server reads ``logprobs[token].item()``
+  its tokens, one ``tolist`` for the batch's: mlx_lm.server reads ``logprobs[token].item()``
   for every row of every step, which on an MLX row is one more operation and a wait each
   (``TokenLogprobs`` answers it from the host).
 
@@ -64,6 +64,8 @@ class TokenLogprobs(mx.array):
 
 
 class BulkGenerationBatch(GenerationBatch):
+    """mlx-lm's generation batch, stepped as the module's docstring says."""
+
     def __init__(self, model, uids, *args, **kwargs):
         # Per row: the sampled token's log-probability, as (array of the step, row), or None
         # for rows whose step was mlx-lm's.

@@ -14,7 +14,6 @@ requests are left as they were.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 
@@ -24,8 +23,6 @@ from ..cache.prompt_cache import RadixPromptCache
 from ..memory.pool import KVPool
 from . import attention
 from .generator import RadixBatchGenerator
-
-log = logging.getLogger("mlx_radix")
 
 MODES = ("auto", "on", "off")
 KEY = ("warm-up", None, None)
