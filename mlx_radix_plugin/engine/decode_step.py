@@ -24,9 +24,13 @@ first tokens' log-probabilities are picked together, once, when that step is rea
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 from mlx_lm_hooks.sampling import LogitBias
+
+from .step_clock import StepClock
 
 
 class HostScalar:
@@ -66,6 +70,8 @@ class TokenLogprobs(mx.array):
 class BulkGenerationBatch(GenerationBatch):
     """mlx-lm's generation batch, stepped as the module's docstring says."""
 
+    clock: StepClock | None = None  # the engine's, which the stats show
+
     def __init__(self, model, uids, *args, **kwargs):
         # Per row: the sampled token's log-probability, as (array of the step, row), or None
         # for rows whose step was mlx-lm's.
@@ -73,6 +79,7 @@ class BulkGenerationBatch(GenerationBatch):
         super().__init__(model, uids, *args, **kwargs)
 
     def _step(self):
+        start = time.perf_counter()
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
         current_picked = self._next_picked
@@ -86,10 +93,13 @@ class BulkGenerationBatch(GenerationBatch):
         self._next_tokens = sampled
         self._next_logprobs = list(logprobs)
         self._next_picked = [(picked, i) for i in range(len(self.uids))]
+        built = time.perf_counter()
         mx.async_eval(sampled, picked, self._next_logprobs, token_context)
+        launched = time.perf_counter()
 
         # As mlx-lm: the tokens in the K/V cache are those of the step before.
         mx.eval(inputs, self._current_logprobs, [p[0] for p in current_picked if p])
+        waited = time.perf_counter()
         tokens = inputs.tolist()
         for sti, ti in zip(self.tokens, tokens):
             sti.append(ti)
@@ -98,6 +108,11 @@ class BulkGenerationBatch(GenerationBatch):
             TokenLogprobs(row, token, value)
             for row, token, value in zip(self._current_logprobs, tokens, values)
         ]
+        if self.clock is not None:
+            self.clock.add("build", built - start)
+            self.clock.add("launch", launched - built)
+            self.clock.add("wait", waited - launched)
+            self.clock.add("read", time.perf_counter() - waited)
         return tokens, rows
 
     def extend(self, batch):

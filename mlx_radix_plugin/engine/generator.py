@@ -43,6 +43,7 @@ from ..memory.allocator import OutOfPages
 from . import attention
 from .decode_path import RULES, DecodePath
 from .decode_step import BulkGenerationBatch
+from .step_clock import StepClock
 
 log = logging.getLogger("mlx_radix")
 
@@ -73,13 +74,17 @@ class RadixBatchGenerator(BatchGenerator):
         *,
         shared_prefix: str = "off",
         snapshot_every: int = 64,
+        clock: StepClock | None = None,
         **kwargs,
     ):
         """``shared_prefix``: ``auto``, ``on`` or ``off`` (engine/decode_path.py);
-        ``snapshot_every``: pages between a hybrid model's prefill snapshots (0: none)."""
+        ``snapshot_every``: pages between a hybrid model's prefill snapshots (0: none);
+        ``clock``: where its decode steps' time is counted (the server's, which outlives its
+        engines; engine/step_clock.py)."""
         super().__init__(model, **kwargs)
         # Decode steps take every row's sampling and logit bias in bulk (decode_step.py).
         self._generation_batch = BulkGenerationBatch.empty(self.model, self.sampler)
+        self.clock = self._generation_batch.clock = clock or StepClock()
         self.radix = radix
         self.snapshot_every = snapshot_every
         radix.share_inflight, radix.inflight_engine = True, id(self)
@@ -340,6 +345,8 @@ class RadixBatchGenerator(BatchGenerator):
         # Requests that finish in this call give their pages back when the server
         # commits them, right after it: until then they still count as running.
         self._ran = bool(len(self._prompt_batch) or len(self._generation_batch))
+        decoding = bool(len(self._generation_batch))
+        self.clock.begin_call()
         self.decode_path.count_step(self._generation_batch)
         configured = self.prefill_batch_size
         self.prefill_batch_size = self._prefill_rows()
@@ -374,4 +381,5 @@ class RadixBatchGenerator(BatchGenerator):
                     if not table.prompt_committed:
                         self.radix.commit_progress(table)
         ranks.stepped()
+        self.clock.end_call(decoding)
         return responses

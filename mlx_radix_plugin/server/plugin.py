@@ -17,9 +17,10 @@ from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 
 from ..cache.prompt_cache import idle_stats
 from ..config import Config, ConfigError, load_config
-from ..engine import warmup
+from ..engine import warmup, weight_views
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
+from ..engine.step_clock import StepClock
 from ..memory import ranks
 from . import metrics, mlx_lm_internals
 from .pins import ROUTE_WAIT_SECONDS, prompt_tokens
@@ -85,6 +86,8 @@ class RadixPlugin:
         self.requests: Counter[str] = Counter()
         self._requests_lock = threading.Lock()
         self.engine: weakref.ref = lambda: None  # the batch generator built last
+        # Where decode steps' time goes, over every engine this server builds (step_clock.py).
+        self.step_clock = StepClock()
 
     def configure(self, overrides: dict[str, Any], path: str | None = None) -> None:
         """Command-line values for the next server start (``mlx-radix serve``)."""
@@ -119,8 +122,11 @@ class RadixPlugin:
     ):
         if self.cache is not None:
             self.cache.bind(model, model_key, draft_model, cli_args, tokenizer)
-            if self.cache.radix is not None and warmup.enabled(self.config["decode.warmup"]):
-                self._warm_up(model)
+            if self.cache.radix is not None:
+                # Bitwise stock's results with fewer nodes a step (engine/weight_views.py).
+                weight_views.install(model)
+                if warmup.enabled(self.config["decode.warmup"]):
+                    self._warm_up(model)
         if not self.config["decode.batched"]:
             # Requests then take mlx-lm's one-at-a-time path (PoolBackedCache).
             model_provider.is_batchable = False
@@ -147,6 +153,7 @@ class RadixPlugin:
                 radix,
                 shared_prefix=self.config["decode.shared_prefix"],
                 snapshot_every=self.config["radix.snapshot_every"],
+                clock=self.step_clock,
                 **capped,
             )
             self.engine = weakref.ref(engine)
@@ -193,6 +200,7 @@ class RadixPlugin:
             stats.update(engine.decode_stats)
         else:  # nothing decodes from this pool yet
             stats.update(idle_decode_stats(self.config["decode.shared_prefix"]))
+        stats.update(self.step_clock.stats())
         with self._requests_lock:
             stats["requests"] = dict(self.requests)
         return stats

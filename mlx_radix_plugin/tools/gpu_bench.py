@@ -42,6 +42,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..engine.step_clock import PARTS as STEP_PARTS
 from ..models.random_model import FIRST_WORD, SHAPES, TINY, build, words
 from .bench.command import NO_EOS, Requests, server_env
 from .bench.servers import Launched, ServerProcess, free_port, free_ports, mlx_launch
@@ -225,6 +226,19 @@ def alone(servers: dict, name: str):
         yield servers[name]
 
 
+def step_parts(before: dict | None, after: dict | None) -> dict | None:
+    """Mean ms a decode step by part between two of the plugin's stats, and the step's
+    total (None from stock, or where no step was timed)."""
+    if not before or not after or "decode_step_seconds" not in after:
+        return None
+    steps = after["decode_steps_timed"] - before["decode_steps_timed"]
+    if steps <= 0:
+        return None
+    a, b = after["decode_step_seconds"], before["decode_step_seconds"]
+    parts = {k: 1000 * (a[k] - b[k]) / steps for k in a}
+    return {**parts, "step": sum(parts.values()), "steps": steps}
+
+
 def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
     """``args.rounds`` rounds of ``batch`` concurrent requests per server, turns alternating."""
     per: dict[str, list[dict]] = {name: [] for name in servers}
@@ -238,8 +252,10 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
             prompts = [_prompt(rng, args.decode_prompt) for _ in range(batch)]
             record = _spy_path(args, f"{name}-{batch}") if spy and round_ == 0 else None
             with alone(servers, name) as server, py_spy(server, record):
+                before = server.stats()
                 start = time.perf_counter()
                 wall, results = stream_all(server, prompts, args.max_tokens)
+                parts = step_parts(before, server.stats())
             busy = args.utilization.mean(start, start + wall)
             tokens = sum(r["usage"]["completion_tokens"] for r in results)
             per_token = [
@@ -252,6 +268,7 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
                     "tokens_per_s": tokens / wall,
                     "ms_per_token": 1000 * statistics.median(per_token),
                     "device_busy": busy,
+                    "step_ms": parts,
                 }
             )
             texts[name] += [r["text"] for r in results]
@@ -268,6 +285,11 @@ def measure_decode(servers: dict, args, batch: int, rng_seed: int) -> dict:
         busy = [r["device_busy"] for r in rounds if r["device_busy"] is not None]
         if busy:  # the GPU's share of the round spent running kernels
             out[name]["device_busy"] = round(statistics.median(busy), 3)
+        parts = [r["step_ms"] for r in rounds if r["step_ms"]]
+        if parts:  # the plugin's generation thread, by part (engine/step_clock.py)
+            out[name]["step_ms"] = {
+                k: round(statistics.median(p[k] for p in parts), 3) for k in parts[0]
+            }
     out["ratio"] = round(out["radix"]["tokens_per_s"] / out["stock"]["tokens_per_s"], 3)
     out["greedy_match"] = sum(a == b for a, b in zip(texts["stock"], texts["radix"]))
     out["requests"] = len(texts["stock"])
@@ -351,17 +373,19 @@ class GpuUtilization(threading.Thread):
 
 @contextlib.contextmanager
 def py_spy(server: ServerProcess, path: Path | None):
-    """``py-spy record`` of ``server`` (native frames, every thread) for the block, as raw
-    collapsed stacks in ``path``; nothing when ``path`` is None or py-spy is missing.
+    """``py-spy record`` of ``server`` for the block: the thread holding the GIL, 100 times
+    a second, as raw collapsed stacks in ``path``; nothing when ``path`` is None or py-spy
+    is missing.
 
-    Native frames need the process paused while it is sampled: on the H200 at 200 samples
-    a second that slowed a 32-row decode round of stock's server several times over, so
-    the rate is 50 and the figures of a recorded round are not the server's own."""
+    Where a step's time goes in the server is who holds the GIL, so only its holder is
+    sampled, without pausing the process (``--nonblocking``). Native frames need it paused:
+    on the H200 at 200 samples a second that slowed a 32-row decode round of stock's server
+    several times over, and at 50 a second one server stalled."""
     exe = shutil.which("py-spy")
     if path is None or exe is None or isinstance(server, Launched):
         yield
         return
-    cmd = [exe, "record", "--native", "--threads", "-r", "50", "-f", "raw"]
+    cmd = [exe, "record", "--gil", "--nonblocking", "--threads", "-r", "100", "-f", "raw"]
     spy = subprocess.Popen(
         [*cmd, "-o", str(path), "-p", str(server.proc.pid)],
         stdout=subprocess.DEVNULL,
@@ -764,6 +788,10 @@ def markdown(report: dict) -> str:
             )
             workload = f"decode, {b} concurrent: tokens/s (ms/token)"
             row(name, workload, stock, radix, f"{d['ratio']:.2f}x")
+            parts = d["radix"].get("step_ms")
+            if parts:
+                split = " / ".join(f"{parts[k]:.2f}" for k in STEP_PARTS)
+                row(name, f"decode, {b}: radix step ms ({' / '.join(STEP_PARTS)})", "", split)
         for d in s.get("decode_shared", {}).values():
             stock, radix = (
                 d[k]["failed"][:40] if "failed" in d[k] else f"{d[k]['decode_tokens_per_s']:.0f}"
@@ -893,7 +921,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--py-spy",
         metavar="DIR",
-        help="record each server with py-spy (native frames) in its largest decode round, a "
+        help="record each server with py-spy (the GIL's holder) in its largest decode round, a "
         "burst and the agent loop",
     )
     p.add_argument(

@@ -27,6 +27,7 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -113,7 +114,12 @@ def profile(model, rows: int, mode: str, steps: int, args, gpu) -> dict:
         bias = lambda: [LogitBias({0: -100.0})]  # noqa: E731
     processors = [bias() if args.logit_bias else [] for _ in range(rows)]
     clock = _Clock()
-    gen = make_generator(model, prompts, mode, steps + 64, processors=processors, samplers=samplers)
+    # As mlx_lm.server runs it: its generation thread's default stream (else mlx-lm's own).
+    stream = mx.default_stream(mx.default_device()) if args.thread else None
+    gen = make_generator(
+        model, prompts, mode, steps + 64, processors=processors, samplers=samplers,
+        pool_tokens=args.pool_tokens or None, stream=stream,
+    )  # fmt: skip
     # mlx-lm's batches call the model their generator was made with.
     gen.model = gen._generation_batch.model = _TimedModel(model, clock)
     walls, parts, ops = [], [], Counter()
@@ -133,6 +139,21 @@ def profile(model, rows: int, mode: str, steps: int, args, gpu) -> dict:
     gen.close()
     mx.clear_cache()
     return _summary(walls[8:], parts[8:], ops, gpu)
+
+
+def _profiled(model, rows: int, mode: str, args, gpu) -> dict:
+    """``profile`` here, or with ``--thread`` on a thread of its own."""
+    if not args.thread:
+        return profile(model, rows, mode, args.steps, args, gpu)
+    out: list = []
+    worker = threading.Thread(
+        target=lambda: out.append(profile(model, rows, mode, args.steps, args, gpu))
+    )
+    worker.start()
+    worker.join()
+    if not out:
+        raise RuntimeError("the profiling thread failed (its traceback is above)")
+    return out[0]
 
 
 def _leaves(tree) -> list:
@@ -201,6 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         help="mark each measured step as an NVTX range 'step' (for ncu --nvtx-include step/; "
         "through PyTorch's NVTX binding)",
     )
+    p.add_argument(
+        "--pool-tokens", type=int, default=0, help="the engine's pool (0: what the rows need)"
+    )
+    p.add_argument(
+        "--thread",
+        action="store_true",
+        help="step on a thread of its own and its default stream, as mlx_lm.server does",
+    )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     if args.nvtx:
@@ -223,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         model, _ = load(str(model_dir))
         for n in args.rows:
             for mode in modes:
-                row = {"rows": n, "mode": mode, **profile(model, n, mode, args.steps, args, gpu)}
+                row = {"rows": n, "mode": mode, **_profiled(model, n, mode, args, gpu)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     gpu.stop()

@@ -1,0 +1,58 @@
+"""Where the generation thread's time goes while requests decode, by part.
+
+``/v1/cache/stats`` shows the totals (``decode_step_seconds``) and the steps they cover
+(``decode_steps_timed``); a benchmark takes the difference over a run. The parts:
+
+- ``build``: Python building a decode step's graph (the model's call, processors, sampling);
+- ``launch``: ``mx.async_eval`` of it (on a GPU, encoding and launching its kernels);
+- ``wait``: ``mx.eval`` of the step before, waiting for the device;
+- ``read``: its tokens and log-probabilities to the host, and the rows' responses;
+- ``engine``: the rest of the engine's call (prefill, page commits, stats);
+- ``outside``: between the engine's calls, the server's own work (detokenizing, queues,
+  admission).
+
+They add up to the generation thread's wall time over the steps timed. Only calls that
+decode are timed; the time before the first of a run of them is not counted.
+"""
+
+from __future__ import annotations
+
+import time
+
+PARTS = ("build", "launch", "wait", "read", "engine", "outside")
+
+
+class StepClock:
+    def __init__(self):
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.steps = 0
+        self._call_start: float | None = None
+        self._in_call = 0.0  # seconds of this call already given to a step's parts
+        self._last_end: float | None = None
+
+    def begin_call(self) -> None:
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self.seconds["outside"] += now - self._last_end
+        self._call_start, self._in_call = now, 0.0
+
+    def add(self, part: str, seconds: float) -> None:
+        self.seconds[part] += seconds
+        self._in_call += seconds
+
+    def end_call(self, decoded: bool) -> None:
+        """``decoded``: whether the call ran a decode step; when it did not, nor does the
+        gap before the next call count (the server may be idle)."""
+        now = time.perf_counter()
+        if decoded:
+            self.seconds["engine"] += now - self._call_start - self._in_call
+            self.steps += 1
+            self._last_end = now
+        else:
+            self._last_end = None
+
+    def stats(self) -> dict:
+        return {
+            "decode_step_seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+            "decode_steps_timed": self.steps,
+        }
