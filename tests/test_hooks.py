@@ -306,3 +306,53 @@ def test_a_failed_step_fails_its_batch_and_the_server_goes_on(model_dirs, tmp_pa
         log = server.output()
     assert log.count("a generation step failed") == 2
     assert "Exception occurred during processing of request" not in log  # no handler died
+
+
+def test_requests_are_tokenized_on_their_handlers_thread_and_used_once(loaded):
+    """The generation thread takes what the handler tokenized with the tokenizer it would
+    use itself, once; with another tokenizer, or none ahead, it tokenizes as stock."""
+    import mlx_lm.server as server
+    from mlx_lm_hooks.server import install, uninstall
+
+    _, tok = loaded("llama")
+
+    class Counting:
+        def __init__(self, wrapped):
+            self.wrapped, self.calls = wrapped, 0
+
+        def encode(self, text, **kwargs):
+            self.calls += 1
+            return self.wrapped.encode(text, **kwargs)
+
+    class Provider:
+        def __init__(self):
+            self.tokenizer, self.model = Counting(tok), None
+
+        def load_default(self):
+            pass
+
+        def reset(self):
+            pass
+
+    install(make_plugin_manager())
+    try:
+        provider = Provider()
+        generator = server.ResponseGenerator(provider, None)
+        generator.stop_and_join()
+        generator.prompt_cache = None  # the stopped thread dropped its own
+        request = server.CompletionRequest("text", "Once upon a time", [], None, None)
+        generator._tokenize_ahead(request, None)
+        assert provider.tokenizer.calls == 1
+        prompt, *_ = generator._tokenize(provider.tokenizer, request, None)
+        assert prompt == tok.encode("Once upon a time") and provider.tokenizer.calls == 1
+        prompt, *_ = generator._tokenize(provider.tokenizer, request, None)  # used once
+        assert provider.tokenizer.calls == 2
+        generator._tokenize_ahead(request, None)
+        other = Counting(tok)
+        generator._tokenize(other, request, None)  # another model's tokenizer
+        assert other.calls == 1
+        broken = server.CompletionRequest("text", None, [], None, None)
+        generator._tokenize_ahead(broken, None)  # fails here: left to the generation thread
+        assert getattr(broken, "tokenized_ahead", None) is None
+    finally:
+        uninstall()
