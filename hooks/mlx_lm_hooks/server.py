@@ -17,9 +17,7 @@ sampling settings share one sampler, and a logit bias is readable (sampling.py),
 batch can sample and bias its rows at once. A step that fails (a CUDA
 out-of-memory error, say) fails the requests of its batch with HTTP 503 or an error event,
 where stock's generation thread dies for good. Requests may carry vLLM's
-``cache_salt`` (salt.py): only requests with the same salt share cached prompts. Each
-request is tokenized on its handler's thread before it is queued, so that a burst's
-tokenizing no longer holds back the generation thread.
+``cache_salt`` (salt.py): only requests with the same salt share cached prompts.
 """
 
 from __future__ import annotations
@@ -320,13 +318,8 @@ def _response_generator_class(stock, budget):
         def _tokenize(self, tokenizer, request, args):
             # Runs on the generation thread, inside the try that turns an exception into
             # this request's error; what is refused here never reaches insert_segments.
-            ahead = getattr(request, "tokenized_ahead", None)
-            request.tokenized_ahead = None  # used once: the loop edits its segments
             try:
-                if ahead is not None and ahead[0] is tokenizer:
-                    prompt, *rest = ahead[1]
-                else:
-                    prompt, *rest = super()._tokenize(tokenizer, request, args)
+                prompt, *rest = super()._tokenize(tokenizer, request, args)
             except (TypeError, ValueError) as e:
                 # A prompt that is no string, an empty conversation: the request's fault.
                 raise RequestRefused(str(e)) from e
@@ -344,37 +337,8 @@ def _response_generator_class(stock, budget):
             return (prompt, *rest)
 
         def generate(self, request, generation_args, progress_callback=None):
-            self._tokenize_ahead(request, generation_args)
             ctx, responses = super().generate(request, generation_args, progress_callback)
             return ctx, self._observed(ctx, responses)
-
-        def _tokenize_ahead(self, request, args) -> None:
-            """Tokenize on the request's own thread, before it is queued.
-
-            Stock tokenizes every request on the generation thread, one after another, and
-            steps no batch meanwhile: a burst of 32 requests of 2,080 tokens waited 158-192
-            ms for that before the first prefill began (H200, Llama-3-8B's shape, byte-level
-            BPE; 5-6 ms a request), of a 0.65-0.83 s time to first token. Here each handler
-            tokenizes its own request while the generation thread serves the others; the
-            generation thread takes the result when it would tokenize with the same
-            tokenizer (``_tokenize``), and tokenizes itself otherwise (a request for
-            another model, one with images, distributed ranks, or one whose tokenizing
-            failed here: its error is then stock's, raised where stock raises it).
-            """
-            tokenizer = self.model_provider.tokenizer
-            if tokenizer is None or self._is_distributed:
-                return
-            from mlx_lm.server import _image_parts
-
-            if any(_image_parts(request.messages or [])):
-                return
-            try:
-                result = _Installed.stock["ResponseGenerator"]._tokenize(
-                    self, tokenizer, request, args
-                )
-            except Exception:  # noqa: BLE001 - the generation thread answers it as stock
-                return
-            request.tokenized_ahead = (tokenizer, result)
 
         def _observed(self, ctx, responses):
             start, generated, reason = time.perf_counter(), 0, None
