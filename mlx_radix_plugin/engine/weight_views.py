@@ -22,15 +22,16 @@ class ViewedLinear(nn.Linear):
     """``nn.Linear`` with its transposed weight kept as an evaluated view."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        weight = self["weight"]
-        if self.__dict__.get("_viewed") is not weight:
-            transposed = weight.T
-            mx.eval(transposed)
-            # Outside the module's parameters (a dict entry would be one): the same memory.
-            self.__dict__["_viewed"], self.__dict__["_transposed"] = weight, transposed
+        weight, attrs = self["weight"], self.__dict__
+        if attrs.get("_viewed") is not weight:
+            # Kept outside the module's parameters (a dict entry would be one); the view
+            # shares the weight's memory.
+            attrs["_viewed"], attrs["_transposed"] = weight, weight.T
+            mx.eval(attrs["_transposed"])
+        transposed = attrs["_transposed"]
         if "bias" in self:
-            return mx.addmm(self["bias"], x, self.__dict__["_transposed"])
-        return x @ self.__dict__["_transposed"]
+            return mx.addmm(self["bias"], x, transposed)
+        return x @ transposed
 
 
 def install(model: nn.Module) -> int:
