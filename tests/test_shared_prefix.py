@@ -161,10 +161,11 @@ def on_a_shared_prefix(model, tok, rows: int, max_tokens: int, pool_tokens: int 
     return gen, rpc
 
 
-@pytest.fixture(params=["split", "masked", "split, chunks joined"])
+@pytest.fixture(params=["split", "masked", "split, chunks joined", "paged"])
 def variant(request, monkeypatch):
-    """Both ways of computing the shared path, whatever this machine's device picks; the
-    split one also reading a prefix over several chunks as one part, as a GPU does."""
+    """Every way of computing the shared path, whatever this machine's device picks; the
+    split one also reading a prefix over several chunks as one part, as a GPU does; the
+    paged one as CUDA's kernel (elsewhere its MLX-ops form, engine/paged_attention.py)."""
     monkeypatch.setattr(attention, "VARIANT", request.param.split(",")[0])
     monkeypatch.setattr(attention, "CHUNK_READ", "joined" if "joined" in request.param else "parts")
     return request.param
@@ -411,12 +412,36 @@ def test_models_that_attend_outside_the_call_site_keep_the_exact_path(loaded, ca
         ("gpu", 8, 1024, False),
         ("gpu", 32, 2048, True),
         ("gpu", 32, 4096, True),
+        # CUDA's paged kernel: up to 8 rows whatever they share (1 row 6.0-6.4 ms a step
+        # against 9.1-13.9 exact), above that as the GPU rule (32 short rows: exact).
+        ("cuda", 1, 0, True),
+        ("cuda", 8, 0, True),
+        ("cuda", 8, 1024, True),
+        ("cuda", 32, 0, False),
+        ("cuda", 32, 2048, True),
     ],
 )
 def test_auto_takes_the_shared_path_where_it_was_measured_faster(backend, rows, prefix, shared):
     group = PrefixGroup(tuple(range(rows)), tuple(range(prefix // 16)))
     lengths = [prefix + 32 + 16] * rows  # own question and half the measured steps
     assert RULES[backend].takes_shared([group], lengths, 16) is shared
+
+
+def test_a_batch_goes_shared_where_cuda_runs_the_paged_kernel(loaded, monkeypatch):
+    """On CUDA the engine's decode path may take the paged kernel, and its rule is CUDA's;
+    elsewhere neither (the kernel runs on CUDA only)."""
+    from mlx_radix_plugin.engine import decode_path, generator
+
+    model, tok = loaded("llama")
+    monkeypatch.setattr(generator, "backend", lambda: "cuda")
+    gen = RadixBatchGenerator(model, radix(model), shared_prefix="auto")
+    assert gen.decode_path.paged and gen.decode_path.rule is RULES["cuda"]
+    gen.close()
+    monkeypatch.undo()
+    assert decode_path.backend() == "cpu"
+    gen = RadixBatchGenerator(model, radix(model), shared_prefix="auto")
+    assert not gen.decode_path.paged and gen.decode_path.rule is RULES["cpu"]
+    gen.close()
 
 
 def test_auto_counts_every_group_and_the_longest_own_part():

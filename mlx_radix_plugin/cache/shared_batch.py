@@ -41,6 +41,19 @@ def _padding(columns: int) -> int:
     return -columns % MASKED_BUCKET
 
 
+def chunk_page_table(pages: list[list[int]], chunk_pages: int) -> tuple[int, np.ndarray] | None:
+    """The chunk holding every row's ``pages``, and ``(rows, most pages)`` int32 the pages'
+    numbers in it (0 past a row's own); None where the pages span chunks."""
+    chunks = {p // chunk_pages for row in pages for p in row}
+    if len(chunks) != 1:
+        return None
+    chunk = chunks.pop()
+    table = np.zeros((len(pages), max(map(len, pages))), dtype=np.int32)
+    for r, row in enumerate(pages):
+        table[r, : len(row)] = np.asarray(row) - chunk * chunk_pages
+    return chunk, table
+
+
 class SharedRows:
     """A shared-prefix batch's groups and each row's own slots, kept between passes."""
 
@@ -91,6 +104,18 @@ class SharedRows:
             for g in self.prefixed
         ]
         self._prefix_index: dict[tuple[int, int], HeadSlots] = {}
+        self._paged: tuple | None = None  # (pages a row, its paged_pages)
+
+    def paged_pages(self, rows: BatchRows) -> tuple[int, mx.array] | None:
+        """``chunk_page_table`` of the rows' pages, as the paged kernel reads them; made
+        again only when a row has taken a page (each ``page_size`` steps)."""
+        ps = self.pool.page_size
+        used = tuple(-(-n // ps) for n in rows.lengths)
+        if self._paged is None or self._paged[0] != used:
+            held = [t.pages[:n] for t, n in zip(rows.tables, used)]
+            table = chunk_page_table(held, self.pool.allocator.chunk_pages)
+            self._paged = (used, None if table is None else (table[0], mx.array(table[1])))
+        return self._paged[1]
 
     def prefix_slots(self, group: int) -> np.ndarray:
         return self._prefix_slots[group]
@@ -239,7 +264,9 @@ def owner_of(keys: mx.array) -> SharedPrefixBatchCache | None:
 class SharedPrefixBatchCache(OffsetCache):
     """One layer of a decode batch whose K/V are read from the pool by the patched attention."""
 
-    def __init__(self, rows: BatchRows, layer: int, view: type, attention_calls: int):
+    def __init__(
+        self, rows: BatchRows, layer: int, view: type, attention_calls: int, paged: bool = False
+    ):
         self.rows = rows
         self.layer = layer
         self.window = rows.pool.specs[layer].window
@@ -247,6 +274,7 @@ class SharedPrefixBatchCache(OffsetCache):
         # Attention calls in one forward pass: one a layer, and one more for each layer that
         # reuses another's K/V. The pass ends after the last (engine/attention.py counts).
         self.attention_calls = attention_calls
+        self.paged = paged  # the attention may read the pages in place (a CUDA kernel)
 
     @property
     def offset(self) -> mx.array:

@@ -20,7 +20,9 @@ the window has left the prefix for all its rows.
 
 That is the ``split`` variant. The ``masked`` one computes the same step as one fused
 attention call over all rows at once (``masked_attention``): fewer operations, more
-products; ``variant`` picks by device and sizes, from measurements.
+products; ``variant`` picks by device and sizes, from measurements. On CUDA a third, the
+``paged`` one, is a kernel of its own that reads each row's pages in place
+(``paged_attention.py``): one or two operations a layer where the others take dozens.
 
 Summing in another order than stock changes float32 logits by rounding only:
 ``FIDELITY_TOLERANCE`` is what the tests hold every step of every architecture to.
@@ -39,6 +41,7 @@ from ..cache.offset import OffsetCache
 from ..cache.shared_batch import SharedPass, SharedPrefixBatchCache, owner_of
 from ..memory.pool import FlatViews, KVPool
 from ..memory.slots import HeadSlots
+from . import paged_attention
 
 # Max |logit - stock's logit| <= FIDELITY_TOLERANCE x max |stock's logit|, float32, at every
 # step; greedy tokens equal. Measured on the test models: 1e-6 to 1e-5 of max |logit|.
@@ -214,8 +217,9 @@ def _prefix_parts(
     )
 
 
-# How the shared path computes: None decides by device and sizes (``variant``); tests set
-# "split" or "masked" to check both on the CPU.
+# How the shared path computes: None decides by device and sizes (``variant``, and the
+# paged kernel where the batch's cache allows it); tests set "split", "masked" or "paged"
+# to check each on the CPU ("paged" computes there what the kernel does, in MLX operations).
 VARIANT: str | None = None
 # How the split variant reads a prefix spread over chunks: "parts" (a softmax part a chunk)
 # or "joined" (one part); None: joined on a GPU, parts on the CPU (``_prefix_parts``).
@@ -284,6 +288,38 @@ def masked_attention(
     return out.transpose(2, 1, 0, 3)
 
 
+def paged(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: SharedPrefixBatchCache,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array | None:
+    """The step through the paged kernel: each row's pages read in place. None where it
+    cannot serve (the rows' pages span chunks of the pool; the kernel failed its check on
+    this device for this geometry): the MLX-ops variants do then."""
+    step = cache.step
+    layout = step.shared.paged_pages(cache.rows)
+    if layout is None:
+        return None
+    chunk, pages = layout
+    pool = step.pool
+    k_pool, v_pool, base = pool.layer_arrays(cache.layer, chunk)
+    at = paged_attention.PagedLayer(
+        k_pool, v_pool, base, pages, step.positions, max(step.lengths), pool.page_size,
+        scale, cache.window, sinks,
+    )  # fmt: skip
+    if mx.default_device() == mx.cpu:
+        return paged_attention.reference(queries, keys, values, at)
+    geometry = (queries.dtype, queries.shape[1], keys.shape[1], keys.shape[-1])
+    if not paged_attention.check(
+        *geometry, values.shape[-1], pool.page_size, cache.window, sinks is not None
+    ):
+        return None
+    return paged_attention.paged_attention(queries, keys, values, at)
+
+
 def shared_prefix_attention(
     queries: mx.array,
     keys: mx.array,
@@ -293,6 +329,10 @@ def shared_prefix_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of one decode step; ``keys``/``values`` are the step's own ``(B, H, 1, D)``."""
+    if VARIANT == "paged" or (VARIANT is None and cache.paged):
+        out = paged(queries, keys, values, cache, scale, sinks)
+        if out is not None:
+            return out
     if variant(cache.step, queries.shape[1]) == "masked":
         return masked_attention(queries, keys, values, cache, scale, sinks)
     step = cache.step

@@ -5,7 +5,9 @@
   path: stock's kernels on the same data, bitwise stock logits);
 - ``on``: every decode batch reads straight from the pool, shared prefixes once
   (``cache/shared_batch.py``, ``engine/attention.py``);
-- ``auto``: the shared path where the rule below says it is faster, else the exact one.
+- ``auto``: the shared path where the rule below says it is faster, else the exact one
+  (on CUDA, whose shared path may read the pages through a kernel of its own, a rule of its
+  own).
 
 The batch changes path between steps, when rows join or leave: to the shared path by
 dropping the buffer (every token is already in the pool), back by filling a buffer from
@@ -15,6 +17,8 @@ the pool, as admission does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import mlx.core as mx
 
 from ..cache.batch import BatchRows
 from ..cache.pool_backed import PoolBackedCache
@@ -36,8 +40,13 @@ class SharedPrefixRule:
 
     min_saved_tokens: int
     min_saved_fraction: float
+    # A batch of at most this many rows takes the shared path whatever it saves: its
+    # attention costs less than the exact path's there (CUDA's paged kernel).
+    any_saving_up_to_rows: int = 0
 
     def takes_shared(self, groups: list[PrefixGroup], lengths: list[int], page_size: int) -> bool:
+        if len(lengths) <= self.any_saving_up_to_rows:
+            return True
         stock = len(lengths) * max(lengths)
         shared = sum(g.tokens(page_size) for g in groups)
         starts = {r: g.tokens(page_size) for g in groups for r in g.rows}
@@ -57,10 +66,27 @@ class SharedPrefixRule:
 #   there: 8x1024 0.90-1.50 (7k saved; stock's own step varied 8.6-15.9 ms between runs),
 #   32x2048 1.53-1.58 (63k), 32x4096 2.33-2.66 (128k); with 288 own tokens a row, 32x2048
 #   1.37 (55k) and 32x4096 2.26. Below ~10k saved the GPU's fixed costs decide, not reads.
+# - CUDA, where the shared path's attention is the paged kernel (engine/paged_attention.py),
+#   H200, Llama-3-8B shape bf16, 2026-12-02, two machines (their hosts differed by up to 2x),
+#   ms a step, exact (off) / paged: short prompts, 1 row 9.1-13.9 / 6.0-6.4, 8 rows 15.7-20.0
+#   / 9.9-12.5, but 32 rows 11.7-20.2 / 19.2-39.7 (not explained yet); on a shared prefix,
+#   8x1024 15.5-17.6 / 13.4-13.7, 32x2048 26.2 / 12.5-12.8, 32x4096 49.6-50.0 / 17.4-21.6.
+#   So up to 8 rows whatever the batch saves, and above that where the GPU rule above holds.
 RULES = {
     "cpu": SharedPrefixRule(min_saved_tokens=5120, min_saved_fraction=0.5),
     "gpu": SharedPrefixRule(min_saved_tokens=32768, min_saved_fraction=0.5),
+    "cuda": SharedPrefixRule(
+        min_saved_tokens=32768, min_saved_fraction=0.5, any_saving_up_to_rows=8
+    ),
 }
+
+
+def backend() -> str:
+    """Which of ``RULES`` holds on this device: ``cuda`` (the paged kernel), ``gpu`` (Metal)
+    or ``cpu``."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "cuda" if mx.cuda.is_available() else "gpu"
 
 
 # The counts ``DecodePath.stats`` reports besides the mode and the path (``idle_stats`` shows
@@ -84,8 +110,11 @@ def idle_stats(mode: str) -> dict:
 class DecodePath:
     """Puts a generation batch on the path ``mode`` asks for, between steps."""
 
-    def __init__(self, mode: str, rule: SharedPrefixRule, attention_calls: int = 0):
-        """``attention_calls``: per forward pass (``attention.attention_calls``)."""
+    def __init__(
+        self, mode: str, rule: SharedPrefixRule, attention_calls: int = 0, paged: bool = False
+    ):
+        """``attention_calls``: per forward pass (``attention.attention_calls``); ``paged``:
+        the shared path's attention may be the paged kernel (CUDA)."""
         if mode not in MODES:
             raise ValueError(
                 f"decode.shared_prefix must be one of {', '.join(MODES)}, got {mode!r}"
@@ -93,6 +122,7 @@ class DecodePath:
         self.mode = mode
         self.rule = rule
         self.attention_calls = attention_calls
+        self.paged = paged
         self.steps = {"shared": 0, "exact": 0}  # decode steps taken on each path
         self._decided: tuple[int, int, bool] | None = None  # (id of rows, version, shared)
 
@@ -112,7 +142,7 @@ class DecodePath:
         if want and not shared:
             rows.shared = None  # what an earlier shared spell kept is stale now
             batch.prompt_cache = [
-                SharedPrefixBatchCache(rows, layer, c.view, self.attention_calls)
+                SharedPrefixBatchCache(rows, layer, c.view, self.attention_calls, self.paged)
                 for layer, c in enumerate(caches)
             ]
         elif shared and not want:

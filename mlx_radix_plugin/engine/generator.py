@@ -41,7 +41,7 @@ from ..cache.recurrent import Snapshot, cut_segments
 from ..memory import ranks
 from ..memory.allocator import OutOfPages
 from . import attention
-from .decode_path import RULES, DecodePath
+from .decode_path import RULES, DecodePath, backend
 from .decode_step import BulkGenerationBatch
 from .step_clock import StepClock
 
@@ -100,8 +100,8 @@ class RadixBatchGenerator(BatchGenerator):
                 "scaled_dot_product_attention or its layers' caches"
             )
             shared_prefix = "off"
-        backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
-        self.decode_path = DecodePath(shared_prefix, RULES[backend], calls or 0)
+        where = backend()
+        self.decode_path = DecodePath(shared_prefix, RULES[where], calls or 0, where == "cuda")
         self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
 
     def close(self):

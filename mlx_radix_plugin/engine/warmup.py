@@ -22,6 +22,7 @@ import mlx.core as mx
 from ..cache.prompt_cache import RadixPromptCache
 from ..memory.pool import KVPool
 from . import attention
+from .decode_path import backend
 from .generator import RadixBatchGenerator
 
 MODES = ("auto", "on", "off")
@@ -59,10 +60,10 @@ def warm_up(model, page_size: int, shared_prefix: str) -> float:
     )
     rpc = RadixPromptCache(pool)
     _serve(RadixBatchGenerator(model, rpc, shared_prefix="off"), rpc, [prefix + own[0]])
-    # The shared path computes attention one of two ways (engine/attention.py): both.
-    paths = [("off", None)] + (
-        [] if shared_prefix == "off" else [("on", "masked"), ("on", "split")]
-    )
+    # The shared path computes attention one of several ways (engine/attention.py): each
+    # this device has (on CUDA the paged kernel, whose check runs here, at load).
+    variants = ["masked", "split"] + (["paged"] if backend() == "cuda" else [])
+    paths = [("off", None)] + ([] if shared_prefix == "off" else [("on", v) for v in variants])
     try:
         for mode, attention.VARIANT in paths:
             gen = RadixBatchGenerator(model, rpc, shared_prefix=mode, prefill_batch_size=ROWS)

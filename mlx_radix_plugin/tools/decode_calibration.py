@@ -3,9 +3,10 @@
 For each point ``ROWSxPREFIX`` of the grid, ``ROWS`` requests share one cached
 ``PREFIX``-token prefix and have their own question; once all decode together, the median
 time of a decode step is taken for mlx-lm's ``BatchGenerator`` (stock), the engine with
-``decode.shared_prefix = "off"`` (exact) and ``"on"`` (shared; ``split`` and ``masked`` force
-one of the two ways ``engine/attention.py`` computes it). What ``auto`` would choose there
-is printed beside: these runs are where ``engine/decode_path.py``'s rule comes from.
+``decode.shared_prefix = "off"`` (exact) and ``"on"`` (shared; ``split``, ``masked`` and
+``paged`` force one of the ways ``engine/attention.py`` computes it). What ``auto`` would
+choose there is printed beside: these runs are where ``engine/decode_path.py``'s rule comes
+from.
 
     python -m mlx_radix_plugin.tools.decode_calibration --model PATH --grid 8x2048,4x512
     python -m mlx_radix_plugin.tools.decode_calibration --shape llama-3-8b --dtype bfloat16 \
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 KEY = ("calibration", None, None)
-MODES = ("stock", "off", "on", "split", "masked")
+MODES = ("stock", "off", "on", "split", "masked", "paged")
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -63,8 +64,9 @@ def make_generator(
     stream=None,
 ):
     """``prompts`` inserted into mlx-lm's ``BatchGenerator`` (``mode`` stock) or the engine
-    (``off``: the exact path; ``on``, ``split``, ``masked``: the shared one), each row with
-    its ``processors`` and ``samplers`` (mlx-lm's per-request lists; None: none, greedy).
+    (``off``: the exact path; ``on``, ``split``, ``masked``, ``paged``: the shared one), each
+    row with its ``processors`` and ``samplers`` (mlx-lm's per-request lists; None: none,
+    greedy).
     The engine's pool holds ``pool_tokens`` (default: what the prompts need); ``stream``:
     the generator's (default: mlx-lm's own generation stream)."""
     from mlx_lm.generate import BatchGenerator
@@ -79,7 +81,7 @@ def make_generator(
     n = len(prompts)
     sizes = dict(completion_batch_size=max(32, n), prefill_batch_size=min(n, 8), stream=stream)
     extra = dict(logits_processors=processors or [[]] * n, samplers=samplers)
-    attention.VARIANT = mode if mode in ("split", "masked") else None
+    attention.VARIANT = mode if mode in ("split", "masked", "paged") else None
     if mode == "stock":
         gen = BatchGenerator(model, **sizes)
         gen.insert(prompts, max_tokens=[max_tokens] * n, **extra)
@@ -164,12 +166,12 @@ def calibrate(
     import mlx.core as mx
     from mlx_lm import load
 
-    from ..engine.decode_path import RULES
+    from ..engine.decode_path import RULES, backend
     from ..memory.prefix_groups import PrefixGroup
 
     model, _ = load(str(model_dir))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    rule = RULES["cpu" if mx.default_device() == mx.cpu else "gpu"]
+    rule = RULES[backend()]
     rows = []
     for n, prefix_tokens in grid:
         rng = random.Random(f"{n}x{prefix_tokens}")

@@ -1,5 +1,8 @@
 """Where a decode step's time goes, in process: stock mlx-lm's BatchGenerator and the engine.
 
+Modes: ``stock``, the engine's exact path (``off``) and its shared path (``on``: on CUDA the
+paged kernel, engine/paged_attention.py).
+
 For each batch size, ROWS requests with short prompts of their own decode together; once
 every row decodes, each step's wall time is split into the host's parts:
 
@@ -34,7 +37,7 @@ from pathlib import Path
 
 from .decode_calibration import make_generator
 
-MODES = ("stock", "off")
+MODES = ("stock", "off", "on")
 PARTS = ("model_ms", "launch_ms", "wait_ms")
 
 
