@@ -89,9 +89,11 @@ def test_the_mlx_form_is_a_softmax_over_each_rows_pages_and_its_token(geometry):
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 def test_the_kernel_gives_the_mlx_forms_output(geometry, dtype):
     host, args, at = problem(1, geometry, dtype)
-    # Queries laid out as models hand them over: (B, 1, Hq, D) in memory, seen transposed.
-    q = mx.array(host["q"]).astype(dtype).transpose(0, 2, 1, 3)
-    args[0] = mx.contiguous(q).transpose(0, 2, 1, 3)
+    # Queries and the step's K/V laid out as models hand them over: (B, 1, H, D) in memory,
+    # seen transposed.
+    for i, name in enumerate(("q", "kn", "vn")):
+        x = mx.array(host[name]).astype(dtype).transpose(0, 2, 1, 3)
+        args[i] = mx.contiguous(x).transpose(0, 2, 1, 3)
     got = pa.paged_attention(*args, at).astype(mx.float32)
     want = pa.reference(*args, at).astype(mx.float32)
     limit = 1e-5 if dtype == mx.float32 else 1e-2

@@ -48,6 +48,7 @@ class PageTable:
     ):
         self.pool = pool
         self.pages = list(pages or [])
+        self.changes = 0  # bumped whenever ``pages`` changes (readers keep derived copies)
         self.shared_tokens = shared_tokens
         self.written = shared_tokens  # tokens whose K/V are in the pool, all layers
         self.batches: weakref.WeakSet = weakref.WeakSet()  # running batches holding a row
@@ -99,6 +100,7 @@ class PageTable:
             old()
 
     def _changed(self) -> None:
+        self.changes += 1
         self._slots = None
         self._views.clear()
 

@@ -108,11 +108,12 @@ class SharedRows:
 
     def paged_pages(self, rows: BatchRows) -> tuple[int, mx.array] | None:
         """``chunk_page_table`` of the rows' pages, as the paged kernel reads them; made
-        again only when a row has taken a page (each ``page_size`` steps)."""
+        again only when a row has taken a page (each ``page_size`` steps) or a table changed
+        its pages."""
         ps = self.pool.page_size
-        used = tuple(-(-n // ps) for n in rows.lengths)
+        used = tuple((-(-n // ps), t.changes) for t, n in zip(rows.tables, rows.lengths))
         if self._paged is None or self._paged[0] != used:
-            held = [t.pages[:n] for t, n in zip(rows.tables, used)]
+            held = [t.pages[:n] for t, (n, _) in zip(rows.tables, used)]
             table = chunk_page_table(held, self.pool.allocator.chunk_pages)
             self._paged = (used, None if table is None else (table[0], mx.array(table[1])))
         return self._paged[1]
