@@ -152,6 +152,16 @@ class SharedPass:
         self._masked_columns: int | None = None
         self.calls = 0  # attention calls so far
         self.owned: list[int] = []  # ids of this pass's entries in _owners
+        self._rows = rows
+        self._paged: tuple | None = None  # paged_pages, asked once a pass
+
+    def paged_pages(self) -> tuple[int, mx.array, int] | None:
+        """``SharedRows.paged_pages`` and the rows' longest length, as the paged kernel reads
+        them: worked out by the pass's first layer, read by every other."""
+        if self._paged is None:
+            layout = self.shared.paged_pages(self._rows)
+            self._paged = (None if layout is None else (*layout, max(self.lengths)),)
+        return self._paged[0]
 
     def own_index(self, heads: int) -> HeadSlots:
         """Each row's own tokens, read from a layer's flat views as ``(B, heads, width)``."""

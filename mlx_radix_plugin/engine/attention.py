@@ -300,15 +300,15 @@ def paged(
     cannot serve (the rows' pages span chunks of the pool; the kernel failed its check on
     this device for this geometry): the MLX-ops variants do then."""
     step = cache.step
-    layout = step.shared.paged_pages(cache.rows)
+    layout = step.paged_pages()
     if layout is None:
         return None
-    chunk, pages = layout
+    chunk, pages, longest = layout
     pool = step.pool
     k_pool, v_pool, base = pool.layer_arrays(cache.layer, chunk)
     at = paged_attention.PagedLayer(
-        k_pool, v_pool, base, pages, step.positions, max(step.lengths), pool.page_size,
-        scale, cache.window, sinks,
+        k_pool, v_pool, base, pages, step.positions, longest, pool.page_size, scale,
+        cache.window, sinks,
     )  # fmt: skip
     if mx.default_device() == mx.cpu:
         return paged_attention.reference(queries, keys, values, at)
