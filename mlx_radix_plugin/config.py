@@ -177,6 +177,13 @@ SETTINGS: tuple[Setting, ...] = (
         "requests do not build kernels (auto: on a GPU, where kernels are built at first use)",
         choices=("auto", "on", "off"),
     ),
+    Setting(
+        "model.fuse_projections",
+        "auto",
+        "compute a layer's q/k/v projections as one matmul, and an MLP's gate/up as one "
+        "(auto: on, where the layers allow it; off: stock's matmuls, bitwise)",
+        choices=("auto", "on", "off"),
+    ),
     Setting("metrics.enabled", True, "serve Prometheus metrics at /metrics"),
     Setting("log_level", "INFO", "log level of mlx-radix", choices=LOG_LEVELS),
 )

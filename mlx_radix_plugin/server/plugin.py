@@ -17,7 +17,7 @@ from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 
 from ..cache.prompt_cache import idle_stats
 from ..config import Config, ConfigError, load_config
-from ..engine import warmup, weight_views
+from ..engine import fused_projections, warmup
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
 from ..engine.step_clock import StepClock
@@ -123,8 +123,11 @@ class RadixPlugin:
         if self.cache is not None:
             self.cache.bind(model, model_key, draft_model, cli_args, tokenizer)
             if self.cache.radix is not None:
-                # Bitwise stock's results with fewer nodes a step (engine/weight_views.py).
-                weight_views.install(model)
+                # Fewer matmuls and graph nodes a step (engine/fused_projections.py).
+                fuse = fused_projections.enabled(self.config["model.fuse_projections"])
+                groups = fused_projections.prepare(model, fuse)
+                if groups:
+                    log.info("radix: %d groups of projections fused", groups)
                 if warmup.enabled(self.config["decode.warmup"]):
                     self._warm_up(model)
         if not self.config["decode.batched"]:

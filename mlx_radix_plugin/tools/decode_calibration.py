@@ -62,22 +62,26 @@ def make_generator(
     chunk_mib: int = 0,
     samplers: list | None = None,
     stream=None,
+    fuse: bool = True,
 ):
     """``prompts`` inserted into mlx-lm's ``BatchGenerator`` (``mode`` stock) or the engine
     (``off``: the exact path; ``on``, ``split``, ``masked``, ``paged``: the shared one), each
     row with its ``processors`` and ``samplers`` (mlx-lm's per-request lists; None: none,
     greedy).
     The engine's pool holds ``pool_tokens`` (default: what the prompts need); ``stream``:
-    the generator's (default: mlx-lm's own generation stream)."""
+    the generator's (default: mlx-lm's own generation stream); ``fuse``: the engine's model
+    with its projections fused (``model.fuse_projections``)."""
     from mlx_lm.generate import BatchGenerator
 
     from ..cache.prompt_cache import RadixPromptCache
-    from ..engine import attention, weight_views
+    from ..engine import attention, fused_projections
     from ..engine.generator import RadixBatchGenerator
     from ..memory.pool import KVPool
 
-    # As each server runs it: the plugin gives the model's linear layers their views.
-    (weight_views.uninstall if mode == "stock" else weight_views.install)(model)
+    # As each server runs it: the plugin fuses projections and gives the rest their views.
+    fused_projections.restore(model)
+    if mode != "stock":
+        fused_projections.prepare(model, fuse)
     n = len(prompts)
     sizes = dict(completion_batch_size=max(32, n), prefill_batch_size=min(n, 8), stream=stream)
     extra = dict(logits_processors=processors or [[]] * n, samplers=samplers)

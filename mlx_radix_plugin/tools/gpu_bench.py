@@ -648,6 +648,7 @@ def started(name: str, model_dir: Path, work: Path, args):
         "radix": {
             "MLX_RADIX_POOL_TOKENS": str(args.pool_tokens),  # 0: the plugin's own memory plan
             "MLX_RADIX_DECODE_SHARED_PREFIX": args.shared_prefix,
+            "MLX_RADIX_MODEL_FUSE_PROJECTIONS": args.fuse_projections,
             # The disk tier writes every committed page through: what that costs the steps.
             **(
                 {"MLX_RADIX_DISK_ENABLED": "1", "MLX_RADIX_DISK_DIR": str(work / "disk")}
@@ -901,6 +902,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         choices=["auto", "on", "off"],
         help="the plugin's decode.shared_prefix",
+    )
+    p.add_argument(
+        "--fuse-projections",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="the plugin's model.fuse_projections",
     )
     p.add_argument("--cached-prefix", type=int, default=4096, help="TTFT: shared prefix tokens")
     p.add_argument("--cached-requests", type=int, default=8, help="TTFT: requests timed")

@@ -1,7 +1,8 @@
 """Where a decode step's time goes, in process: stock mlx-lm's BatchGenerator and the engine.
 
 Modes: ``stock``, the engine's exact path (``off``) and its shared path (``on``: on CUDA the
-paged kernel, engine/paged_attention.py).
+paged kernel, engine/paged_attention.py); the engine's modes with its projections fused
+(``--fuse on``, as the plugin serves by default), unfused (``off``) or both.
 
 For each batch size, ROWS requests with short prompts of their own decode together; once
 every row decodes, each step's wall time is split into the host's parts:
@@ -98,7 +99,7 @@ def timed_evals(clock: _Clock):
         mx.eval, mx.async_eval = saved
 
 
-def profile(model, rows: int, mode: str, steps: int, args, gpu) -> dict:
+def profile(model, rows: int, mode: str, steps: int, args, gpu, fuse: bool = True) -> dict:
     """Median parts of a step of ``rows`` requests decoding together, in ms."""
     import mlx.core as mx
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -121,7 +122,7 @@ def profile(model, rows: int, mode: str, steps: int, args, gpu) -> dict:
     stream = mx.default_stream(mx.default_device()) if args.thread else None
     gen = make_generator(
         model, prompts, mode, steps + 64, processors=processors, samplers=samplers,
-        pool_tokens=args.pool_tokens or None, stream=stream,
+        pool_tokens=args.pool_tokens or None, stream=stream, fuse=fuse,
     )  # fmt: skip
     # mlx-lm's batches call the model their generator was made with.
     gen.model = gen._generation_batch.model = _TimedModel(model, clock)
@@ -144,13 +145,13 @@ def profile(model, rows: int, mode: str, steps: int, args, gpu) -> dict:
     return _summary(walls[8:], parts[8:], ops, gpu)
 
 
-def _profiled(model, rows: int, mode: str, args, gpu) -> dict:
+def _profiled(model, rows: int, mode: str, args, gpu, fuse: bool) -> dict:
     """``profile`` here, or with ``--thread`` on a thread of its own."""
     if not args.thread:
-        return profile(model, rows, mode, args.steps, args, gpu)
+        return profile(model, rows, mode, args.steps, args, gpu, fuse)
     out: list = []
     worker = threading.Thread(
-        target=lambda: out.append(profile(model, rows, mode, args.steps, args, gpu))
+        target=lambda: out.append(profile(model, rows, mode, args.steps, args, gpu, fuse))
     )
     worker.start()
     worker.join()
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--rows", type=_positive_ints, default=[1, 8, 32], help="e.g. 1,8,32")
     p.add_argument("--modes", default="stock,off", help=f"of {', '.join(MODES)}, comma-separated")
+    p.add_argument(
+        "--fuse", default="on", help="the engine's projections fused: on, off, or on,off"
+    )
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens a row")
     p.add_argument("--steps", type=int, default=48, help="decode steps timed a point")
     p.add_argument("--temperature", type=float, default=0.0, help="every row samples at this")
@@ -242,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if not modes or not set(modes) <= set(MODES):
         p.error(f"--modes {args.modes!r}: expected some of {', '.join(MODES)}")
+    fuses = args.fuse.split(",")
+    if not fuses or not set(fuses) <= {"on", "off"}:
+        p.error(f"--fuse {args.fuse!r}: expected on, off, or on,off")
     gpu = GpuUtilization()
     gpu.start()
     rows = []
@@ -255,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         model, _ = load(str(model_dir))
         for n in args.rows:
             for mode in modes:
-                row = {"rows": n, "mode": mode, **_profiled(model, n, mode, args, gpu)}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+                for fuse in ["off"] if mode == "stock" else fuses:
+                    part = _profiled(model, n, mode, args, gpu, fuse == "on")
+                    row = {"rows": n, "mode": mode, "fuse": fuse, **part}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     gpu.stop()
     report = {
         "device": str(mx.default_device()),
