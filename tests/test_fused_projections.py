@@ -83,6 +83,18 @@ def test_logits_within_tolerance_with_fewer_matmuls(loaded, arch):
     assert (groups == 0) == (arch == "phi3")
 
 
+def test_layers_viewed_before_fusing_keep_no_old_weight(model_dirs):
+    from mlx_radix_plugin.engine import weight_views
+
+    model, tok = load(str(model_dirs["llama"]))
+    weight_views.install(model)
+    mx.eval(prefill_and_decode(model, tok.encode("Once upon a time"))[0])
+    with fused(model) as groups:
+        members = [m for g in groups_of(model) for m in g.members]
+        assert groups == 4 and len(members) == 10
+        assert not any("_transposed" in m.__dict__ for m in members)
+
+
 def test_the_models_fingerprint_is_unchanged(model_dirs):
     """The disk tier's identity: fusing changes no weight, so pages computed either way are
     one model's."""

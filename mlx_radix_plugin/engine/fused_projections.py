@@ -175,6 +175,9 @@ def install(model: nn.Module) -> int:
                 continue
             group = _Group(members)
             for i, m in enumerate(members):
+                # A view made before of a weight now replaced would keep its memory alive.
+                m.__dict__.pop("_viewed", None)
+                m.__dict__.pop("_transposed", None)
                 m.__class__ = _FUSED[type(m)]
                 # One attribute that is no setting: the model's fingerprint (the disk tier's
                 # identity, memory/fingerprint.py) stays what it was.
