@@ -117,6 +117,7 @@ def test_compare_gives_radix_over_stock_ratios_and_matches_outputs_by_key():
         "prefix_tokens": 100,
         "question_tokens": 0,
         "output_tokens": 4,
+        "rounds": 1,
     }
     # The same texts finished in another order still match: replies are compared by key.
     runs = burst_runs()
@@ -213,6 +214,27 @@ def test_decode_shared_of_one_round_still_has_its_decode_rate():
     d = compare(DecodeShared(2, 16, 4, 9, rounds=1), decode_shared_runs([2.0], [1.0]))
     assert [r["decode_tokens_per_s_ratio"] for r in d["by_round"]] == [2.0]
     assert d["kv_bytes_held_peak"] is None and d["kv_held_over_one_copy"] is None
+
+
+def test_a_burst_of_several_rounds_reports_its_first_apart():
+    """A run's first burst also pays first-use costs: the speedup is the median of the
+    later rounds', the first reported beside it; tokens computed are a burst's."""
+    runs = {"stock": [], "radix": []}
+    for radix_ttft in (1.5, 0.5, 0.25):  # stock's mean TTFT is 1.5 s in every round
+        one = burst_runs()
+        replies = [reply(t, prompt=100, cached=80 * i, ttft=radix_ttft) for i, t in enumerate("ab")]
+        one["radix"][0] = run("radix", "burst", 1.0, replies, stats_prompt_tokens=200,
+                              stats_cached_tokens=80)  # fmt: skip
+        for k in runs:
+            runs[k] += one[k]
+    burst = compare(Burst(2, 100, 0, 4, rounds=3), runs)
+    a = acceptance({"burst": burst})
+    assert a["burst_ttft_mean_speedups_by_round"] == [1.0, 3.0, 6.0]
+    assert a["burst_first_ttft_mean_speedup"] == 1.0
+    assert a["burst_ttft_mean_speedup"] == 4.5
+    assert a["burst_prompt_tokens_computed"] == {"stock": 200, "radix": 120, "shared_prefix": 100}
+    text = table(full_report(burst=burst))
+    assert "TTFT mean speedup 4.50x (median of rounds after the first; rounds: 1.00x" in text
 
 
 def test_burst_acceptance_prefers_the_plugins_counters():
