@@ -95,6 +95,19 @@ def test_the_plan_gives_the_pool_what_the_model_working_memory_and_margin_leave(
     assert left - pool.allocator.num_chunks * pool.bytes_per_page < pool.max_nbytes <= left
 
 
+def test_a_hybrid_models_plan_counts_its_batchs_recurrent_states(loaded):
+    """Every row of a full batch holds a recurrent state, and a step its next one."""
+    from mlx_radix_plugin.memory.budget import working_bytes
+
+    model, _ = loaded("qwen3_5")
+    memory = DeviceMemory("cpu", 16 * 2**30, "test")
+    pool = KVPool.for_model(model, page_size=16, memory=memory, max_batch_size=4)
+    row = pool.snapshot_row_bytes
+    assert row > 0
+    without = working_bytes(model, pool.bytes_per_token, 4, 2048)
+    assert pool.plan.working_bytes == without + 2 * 4 * row
+
+
 def test_on_unified_memory_a_chunk_holds_a_few_thousand_tokens(loaded):
     """The CPU (and Metal) pool follows demand in chunks of CHUNK_TOKENS tokens, 64 MiB at
     least, whatever its ceiling."""

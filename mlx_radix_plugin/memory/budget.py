@@ -103,15 +103,22 @@ def buffer_reserve_bytes(kv_bytes_per_token: int, max_batch_size: int) -> int:
 
 
 def working_bytes(
-    model: object, kv_bytes_per_token: int, max_batch_size: int, prefill_step_size: int
+    model: object,
+    kv_bytes_per_token: int,
+    max_batch_size: int,
+    prefill_step_size: int,
+    recurrent_row_bytes: int = 0,
 ) -> int:
     """The batches' working memory: the batch buffers (``buffer_reserve_bytes``), a prefill
-    chunk's activations and a decode step's (logits included)."""
+    chunk's activations and a decode step's (logits included), and a hybrid model's
+    recurrent states, ``recurrent_row_bytes`` a row: mlx-lm's batch caches hold one a row,
+    and a step makes each row's next state while the last is still held, so two a row."""
     act = activation_bytes_per_token(model, kv_bytes_per_token)
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     logits = 4 * vocab if isinstance(vocab, int) else 0
     buffers = buffer_reserve_bytes(kv_bytes_per_token, max_batch_size)
-    return buffers + prefill_step_size * act + max_batch_size * (act + logits)
+    states = 2 * max_batch_size * recurrent_row_bytes
+    return buffers + prefill_step_size * act + max_batch_size * (act + logits) + states
 
 
 @dataclass(frozen=True)

@@ -272,10 +272,14 @@ class KVPool:
             raise ValueError(f"pool_tokens must be >= page_size ({page_size}), got {pool_tokens}")
         specs, dtype, layout = inspect_model(model)
         per_token = sum(s.bytes_per_token(dtype) for s in specs)
+        state_sizes = {
+            i: len(c.cache) for i, c in enumerate(make_prompt_cache(model)) if layout[i] is None
+        }
+        row_bytes = recurrent_row_bytes(model) if state_sizes else 0
         plan = plan_memory(
             memory or device_memory(),
             model_bytes=model_nbytes(model),
-            working=working_bytes(model, per_token, max_batch_size, prefill_step_size),
+            working=working_bytes(model, per_token, max_batch_size, prefill_step_size, row_bytes),
             kv_bytes_per_token=per_token,
             mem_fraction=mem_fraction,
             pool_tokens=pool_tokens or 0,
@@ -283,9 +287,6 @@ class KVPool:
         )
         page_bytes = per_token * page_size
         pages_bytes = plan.pool_bytes
-        state_sizes = {
-            i: len(c.cache) for i, c in enumerate(make_prompt_cache(model)) if layout[i] is None
-        }
         if state_sizes:
             # Snapshots are far larger than pages, with a budget of their own (snapshots.py).
             if snapshot_bytes is None:
@@ -300,7 +301,7 @@ class KVPool:
         pool.layout = layout
         pool.state_sizes = state_sizes
         pool.snapshot_budget = (snapshot_bytes or 0) if state_sizes else 0
-        pool.snapshot_row_bytes = recurrent_row_bytes(model) if state_sizes else 0
+        pool.snapshot_row_bytes = row_bytes
         return pool
 
     def agreed(self) -> KVPool:
