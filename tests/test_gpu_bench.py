@@ -104,6 +104,10 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     report = json.loads(out.read_text())
     (shape,) = report["shapes"]
     assert shape["shape"] == "tiny" and "error" not in shape
+    assert report["radix_settings"] == {
+        "decode.shared_prefix": "on",
+        "model.fuse_projections": "auto",
+    }
 
     # The figures are what the rounds measured: medians, and ratios of those medians.
     assert set(shape["decode"]) == {"1", "2"}

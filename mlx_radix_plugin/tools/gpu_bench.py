@@ -998,6 +998,11 @@ def main(argv: list[str] | None = None) -> int:
         "ranks": args.ranks,
         "backend": args.backend if args.ranks > 1 else None,
         "disk": args.disk,
+        # The plugin's settings these numbers were measured with.
+        "radix_settings": {
+            "decode.shared_prefix": args.shared_prefix,
+            "model.fuse_projections": args.fuse_projections,
+        },
         "shapes": [],
     }
     print(f"copy bandwidth: {report['copy_bandwidth_gb_s']} GB/s on {report['device']}")
