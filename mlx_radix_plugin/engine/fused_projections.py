@@ -109,22 +109,21 @@ class _Group:
         return outs[index]
 
 
-class FusedLinear(ViewedLinear):
+class _Member:
+    """A fused group's member: its output from the group, else its own layer's."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        group, index = self.__dict__["_fused"]
+        out = group.output(index, x)
+        return super().__call__(x) if out is None else out
+
+
+class FusedLinear(_Member, ViewedLinear):
     """A member of a fused group of ``nn.Linear`` layers."""
 
-    def __call__(self, x: mx.array) -> mx.array:
-        group, index = self.__dict__["_fused"]
-        out = group.output(index, x)
-        return super().__call__(x) if out is None else out
 
-
-class FusedQuantizedLinear(nn.QuantizedLinear):
+class FusedQuantizedLinear(_Member, nn.QuantizedLinear):
     """A member of a fused group of ``nn.QuantizedLinear`` layers."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        group, index = self.__dict__["_fused"]
-        out = group.output(index, x)
-        return super().__call__(x) if out is None else out
 
 
 _FUSED = {
