@@ -346,3 +346,30 @@ def test_a_request_waiting_for_room_is_passed_by_a_bounded_number_of_later_ones(
     # It waited for room rather than running uncached, and everything was given back.
     assert "KV pool" not in caplog.text
     assert rpc.stats()["pages_locked"] == 0
+
+
+def test_a_decode_step_on_the_exact_path_launches_its_pool_writes_with_it(loaded, monkeypatch):
+    model, tok = loaded("llama")
+    rpc = radix(model)
+    gen = RadixBatchGenerator(model, rpc, completion_batch_size=4)
+    admit(gen, rpc, burst(tok, n=3), max_tokens=12)
+    while len(gen._unprocessed_sequences) or len(gen._prompt_batch):
+        gen.next()
+    launches = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: launches.append(a) or real(*a))
+    gen.next()
+    gen.next()
+    # One launch a step, holding the pool's arrays: no second launch for the writes.
+    assert len(launches) == 2
+    pool_ids = {id(a) for a in rpc.pool.arrays}
+    assert pool_ids & {id(a) for a in launches[-1][-1]}
+    monkeypatch.undo()
+    # What the launch wrote: the last decoded token's K/V in the pool, as the buffer has it.
+    for layer in (0, -1):
+        cache = gen._generation_batch.prompt_cache[layer]
+        n = cache.rows.lengths[0]
+        keys, values = rpc.pool.read(cache.layer, cache.rows.tables[0].host_slots(n - 1, n))
+        assert mx.array_equal(keys[0, :, 0], cache.keys[0, :, cache._idx - 1])
+        assert mx.array_equal(values[0, :, 0], cache.values[0, :, cache._idx - 1])
+    gen.close()

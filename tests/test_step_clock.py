@@ -55,3 +55,18 @@ def test_step_parts_are_per_step_ms_between_two_readings():
     assert parts["steps"] == 10
     assert step_parts(None, after) is None  # stock's server has no such stats
     assert step_parts(before, before) is None  # nothing timed in between
+
+
+def test_a_part_counts_its_time_less_the_parts_inside_it_and_only_for_decoding_calls():
+    clock = StepClock()
+    clock.begin_call()
+    with clock.part("batch"):
+        time.sleep(0.02)
+        clock.add("launch", 0.015)  # a part inside it: not the batch's
+    clock.end_call(decoded=True)
+    assert 0.004 <= clock.seconds["batch"] < 0.015 and clock.seconds["launch"] == 0.015
+    clock.begin_call()
+    with clock.part("batch"):
+        time.sleep(0.01)
+    clock.end_call(decoded=False)  # a prefill-only call: none of it counts
+    assert clock.seconds["batch"] < 0.015 and clock.steps == 1

@@ -25,6 +25,7 @@ first tokens' log-probabilities are picked together, once, when that step is rea
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
@@ -71,6 +72,9 @@ class BulkGenerationBatch(GenerationBatch):
     """mlx-lm's generation batch, stepped as the module's docstring says."""
 
     clock: StepClock | None = None  # the engine's, which the stats show
+    # Arrays the step's launch also evaluates, asked for once its graph is built: the
+    # pool's, whose pending writes include this step's K/V (generator.py).
+    launch_with: Callable[[], list[mx.array]] | None = None
 
     def __init__(self, model, uids, *args, **kwargs):
         # Per row: the sampled token's log-probability, as (array of the step, row), or None
@@ -94,7 +98,8 @@ class BulkGenerationBatch(GenerationBatch):
         self._next_logprobs = list(logprobs)
         self._next_picked = [(picked, i) for i in range(len(self.uids))]
         built = time.perf_counter()
-        mx.async_eval(sampled, picked, self._next_logprobs, token_context)
+        extra = self.launch_with() if self.launch_with is not None else []
+        mx.async_eval(sampled, picked, self._next_logprobs, token_context, extra)
         launched = time.perf_counter()
 
         # As mlx-lm: the tokens in the K/V cache are those of the step before.

@@ -285,6 +285,9 @@ class RadixBatchGenerator(BatchGenerator):
         self._unprocessed_sequences = deque(ready + waiting)
         return super()._make_batch(len(ready))
 
+    def _pool_arrays(self) -> list[mx.array]:
+        return self.radix.pool.arrays
+
     def _take_snapshots(self) -> None:
         """Take a hybrid model's recurrent state where its requests stand now: at the
         positions a prefill wanted, and at each page boundary a decode crosses (the latest
@@ -346,12 +349,21 @@ class RadixBatchGenerator(BatchGenerator):
         # commits them, right after it: until then they still count as running.
         self._ran = bool(len(self._prompt_batch) or len(self._generation_batch))
         decoding = bool(len(self._generation_batch))
+        # A decode step on the exact path launches its pool writes with its own graph: one
+        # launch a step, not two. On the H200 (8B shape, 32 rows, through the server) the
+        # separate launch took 0.84 ms a step, and each return from a launch is one more
+        # wait for the GIL behind 32 handler threads (docs/gpu.md, "One launch a step").
+        merged = decoding and not self.decode_path.is_shared(self._generation_batch)
+        if merged:
+            self.radix.pool.settle()
+        self._generation_batch.launch_with = self._pool_arrays if merged else None
         self.clock.begin_call()
         self.decode_path.count_step(self._generation_batch)
         configured = self.prefill_batch_size
         self.prefill_batch_size = self._prefill_rows()
         try:
-            responses = super()._next()
+            with self.clock.part("batch"):
+                responses = super()._next()
         finally:
             self.prefill_batch_size = configured
         # The batch's path for its next step, chosen as soon as rows have joined or left:
@@ -365,9 +377,11 @@ class RadixBatchGenerator(BatchGenerator):
         # every admission's synchronisation would wait for the pile. A batch that goes
         # on shared leaves them to its next pass, which evaluates them once this step has
         # stopped reading the pool (shared_batch.py).
-        if not self.decode_path.is_shared(self._generation_batch):
-            self.radix.pool.settle()
-            mx.async_eval(self.radix.pool.arrays)
+        # A step launched with them leaves only a prefill's writes of this call, if any.
+        if not self.decode_path.is_shared(self._generation_batch) and (not merged or responses[0]):
+            with self.clock.part("pool"):
+                self.radix.pool.settle()
+                mx.async_eval(self.radix.pool.arrays)
         self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
         if self.radix.recurrent:
             self._take_snapshots()

@@ -7,7 +7,10 @@
 - ``launch``: ``mx.async_eval`` of it (on a GPU, encoding and launching its kernels);
 - ``wait``: ``mx.eval`` of the step before, waiting for the device;
 - ``read``: its tokens and log-probabilities to the host, and the rows' responses;
-- ``engine``: the rest of the engine's call (prefill, page commits, stats);
+- ``batch``: mlx-lm's ``BatchGenerator`` around the step (admission, prefill, rows moved
+  between its batches);
+- ``pool``: the step's pool writes scheduled (``async_eval`` of the pool's arrays);
+- ``engine``: the rest of the engine's call (page commits, decode path, stats);
 - ``outside``: between the engine's calls, the server's own work (detokenizing, queues,
   admission).
 
@@ -18,8 +21,10 @@ decode are timed; the time before the first of a run of them is not counted.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-PARTS = ("build", "launch", "wait", "read", "engine", "outside")
+PARTS = ("build", "launch", "wait", "read", "batch", "pool", "engine", "outside")
 
 
 class StepClock:
@@ -27,25 +32,40 @@ class StepClock:
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.steps = 0
         self._call_start: float | None = None
-        self._in_call = 0.0  # seconds of this call already given to a step's parts
+        self._call = dict.fromkeys(PARTS, 0.0)  # this call's parts, kept if it decodes
         self._last_end: float | None = None
+
+    @property
+    def _in_call(self) -> float:
+        return sum(self._call.values())
 
     def begin_call(self) -> None:
         now = time.perf_counter()
-        if self._last_end is not None:
-            self.seconds["outside"] += now - self._last_end
-        self._call_start, self._in_call = now, 0.0
+        self._call = dict.fromkeys(PARTS, 0.0)
+        self._gap = now - self._last_end if self._last_end is not None else 0.0
+        self._call_start = now
 
     def add(self, part: str, seconds: float) -> None:
-        self.seconds[part] += seconds
-        self._in_call += seconds
+        self._call[part] += seconds
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """Count the time inside as ``name``, less what parts within it counted."""
+        start, inner = time.perf_counter(), self._in_call
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start - (self._in_call - inner))
 
     def end_call(self, decoded: bool) -> None:
         """``decoded``: whether the call ran a decode step; when it did not, nor does the
         gap before the next call count (the server may be idle)."""
         now = time.perf_counter()
         if decoded:
-            self.seconds["engine"] += now - self._call_start - self._in_call
+            self._call["engine"] += now - self._call_start - self._in_call
+            self._call["outside"] = self._gap
+            for part, seconds in self._call.items():
+                self.seconds[part] += seconds
             self.steps += 1
             self._last_end = now
         else:
