@@ -178,6 +178,14 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "on", "off"),
     ),
     Setting(
+        "prefill.from_pool",
+        "auto",
+        "a prompt batch reads its rows' cached K/V from the pool layer by layer, holding no "
+        "batch copy of them (auto: on, where no layer has a sliding window; stock's logits "
+        "bitwise; off: a batch buffer filled from the pool)",
+        choices=("auto", "on", "off"),
+    ),
+    Setting(
         "model.fuse_projections",
         "auto",
         "compute a layer's q/k/v projections as one matmul, and an MLP's gate/up as one "

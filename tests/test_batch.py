@@ -15,15 +15,24 @@ PS = 4
 
 
 def run_batch(
-    model, tokenizer, prompts, rpc=None, max_tokens=8, samplers=None, step=2048, engine=False
+    model,
+    tokenizer,
+    prompts,
+    rpc=None,
+    max_tokens=8,
+    samplers=None,
+    step=2048,
+    engine=False,
+    prefill="auto",
 ):
     """Requests through one batch generator, as mlx_lm.server sends them; tokens per request.
 
-    ``engine``: the plugin's RadixBatchGenerator instead of mlx-lm's BatchGenerator.
+    ``engine``: the plugin's RadixBatchGenerator instead of mlx-lm's BatchGenerator, its
+    ``prefill_from_pool`` set to ``prefill``.
     """
     sizes = dict(completion_batch_size=8, prefill_batch_size=4, prefill_step_size=step)
     if engine:
-        gen = RadixBatchGenerator(model, rpc, **sizes)
+        gen = RadixBatchGenerator(model, rpc, prefill_from_pool=prefill, **sizes)
     else:
         gen = BatchGenerator(model, **sizes)
     fetched = [rpc.fetch_nearest_cache(KEY, p) if rpc is not None else (None, p) for p in prompts]
@@ -150,7 +159,8 @@ def test_context_is_built_once_per_forward_not_per_layer(loaded, monkeypatch):
     assert built == forwards > 0
 
 
-def test_a_decode_pass_writes_the_pool_once_per_array(loaded, monkeypatch):
+@pytest.mark.parametrize("prefill", ["auto", "off"])
+def test_a_decode_pass_writes_the_pool_once_per_array(loaded, monkeypatch, prefill):
     model, tok = loaded("llama")
     rpc = RadixPromptCache(KVPool.for_model(model, page_size=PS, pool_tokens=2048))
     assert len(rpc.pool.groups) == 1  # every layer of this model in one pair of arrays
@@ -176,10 +186,17 @@ def test_a_decode_pass_writes_the_pool_once_per_array(loaded, monkeypatch):
         monkeypatch.setattr(KVPool, name, counted(name))
     monkeypatch.setattr(BatchRows, "end", end_of_pass)
     expected = run_batch(model, tok, mixed_prompts(tok), max_tokens=6)
-    assert run_batch(model, tok, mixed_prompts(tok), rpc, max_tokens=6, engine=True) == expected
-    # Prefill chunks write layer by layer; a decode pass once, after its last layer.
-    assert writes["write_rows"] == passes["prefill"] * len(model.layers) > 0
-    assert writes["write_layers"] == passes[1] > 0
+    got = run_batch(model, tok, mixed_prompts(tok), rpc, max_tokens=6, engine=True, prefill=prefill)
+    assert got == expected
+    if prefill == "off":
+        # Prefill chunks over a buffer write layer by layer; a decode pass once, after its
+        # last layer.
+        assert writes["write_rows"] == passes["prefill"] * len(model.layers) > 0
+        assert writes["write_layers"] == passes[1] > 0
+    else:
+        # Read from the pool, a prefill chunk writes once too, after its last layer's read.
+        assert writes["write_rows"] == 0
+        assert writes["write_layers"] == passes[1] + passes["prefill"] > passes[1] > 0
 
 
 def test_every_layer_of_a_decode_batch_holds_one_offset_array(loaded):

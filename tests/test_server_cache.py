@@ -188,7 +188,8 @@ def test_one_list_of_keys_serves_the_stats_the_idle_stats_and_the_metrics(loaded
     bound.bind(model, ("m", None, None))
     assert set(bound.stats()) == set(unbound)
     assert set(POOL_STATS) <= set(unbound)
-    assert set(idle_decode("auto")) == {"decode_shared_prefix", "decode_path", *DECODE_STATS}
+    paths = {"decode_shared_prefix", "decode_path", "prefill_path"}
+    assert set(idle_decode("auto")) == {*paths, *DECODE_STATS}
     # Every metric is a count some state of the server reports.
     assert set(METRICS) <= set(unbound) | set(DECODE_STATS)
 

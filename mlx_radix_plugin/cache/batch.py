@@ -55,8 +55,18 @@ class BatchedDecodeContext:
       the last layer, one scatter per pool array (``KVPool.write_layers``).
     """
 
-    def __init__(self, tables: list[PageTable], lengths: list[int], valid: list[int], step: int):
+    def __init__(
+        self,
+        tables: list[PageTable],
+        lengths: list[int],
+        valid: list[int],
+        step: int,
+        staged: bool = False,
+    ):
+        """``staged``: a prompt pass's K/V are staged too, and written after its last layer
+        (a pass that reads the pool: ``paged_batch.py``)."""
         self.step = step
+        self.staged = staged or step == 1
         self.calls = 0  # layers that have run this pass
         self.offset: mx.array | None = None
         self.keys: dict[int, mx.array] = {}
@@ -90,8 +100,11 @@ class BatchedDecodeContext:
         self.take = None if len(take) == len(tables) * step else mx.array(take, dtype=mx.int32)
 
     def write(self, pool: KVPool, layer: int, keys: mx.array, values: mx.array) -> None:
-        """This layer's new K/V into the pool: staged when decoding, written now otherwise."""
-        if self.step == 1:
+        """This layer's new K/V into the pool: staged when decoding (or asked to), written
+        now otherwise."""
+        if self.staged:
+            if self.step > 1:  # as (row, token) rows of (heads, dim), as write_layers reads
+                keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
             self.keys[layer], self.values[layer] = keys, values
             return
         B, H, S, _ = keys.shape
@@ -101,7 +114,7 @@ class BatchedDecodeContext:
         pool.write_rows(layer, self.write_slots, k, v)
 
     def flush(self, pool: KVPool) -> None:
-        """Write the staged decode K/V of every layer."""
+        """Write the staged K/V of every layer."""
         if self.keys:
             pool.write_layers(self.write_slots, self.keys, self.values, rows=self.take)
 
@@ -120,6 +133,7 @@ class BatchRows:
         self.ctx: BatchedDecodeContext | None = None  # of the forward pass under way
         self.merged: list = []  # layers merged so far, while mlx-lm merges layer by layer
         self._copy_in: tuple[tuple[int, ...], Slots] | None = None
+        self._context: tuple[tuple, Slots] | None = None
         self._op_calls = 0
         # Shared-prefix decode (shared_batch.py): its groups and own slots, kept until rows
         # join or leave, and the pass under way.
@@ -144,14 +158,30 @@ class BatchRows:
             self._copy_in = (key, self.pool.slots(host))
         return self._copy_in[1]
 
-    def begin(self, step: int) -> BatchedDecodeContext:
+    def begin(self, step: int, staged: bool = False) -> BatchedDecodeContext:
         """The context of a forward pass of ``step`` tokens per row; its first layer calls this."""
         if self.prompt_lengths is None:
             valid = [step] * len(self.tables)
         else:
             valid = [max(0, min(step, n - self.processed)) for n in self.prompt_lengths]
-        self.ctx = BatchedDecodeContext(self.tables, self.lengths, valid, step)
+        self.ctx = BatchedDecodeContext(self.tables, self.lengths, valid, step, staged)
         return self.ctx
+
+    def context_slots(self, width: int) -> Slots:
+        """Slots of every row's tokens in the pool, right-aligned in ``width`` columns (the
+        batch buffer's layout, its padding on the left); built once a pass.
+
+        Padding names a slot of the batch, which the mask hides."""
+        # Rows that join or leave (``version``) can leave the same lengths with other pages.
+        key = (self.version, tuple(self.lengths), width, tuple(t.changes for t in self.tables))
+        if self._context is None or self._context[0] != key:
+            parts = [t.host_slots(0, n) for t, n in zip(self.tables, self.lengths)]
+            pad = next((p[0] for p in parts if p.size), 0)
+            host = np.concatenate(
+                [np.concatenate([np.full(width - p.size, pad), p]) for p in parts]
+            )
+            self._context = (key, self.pool.slots(host))
+        return self._context[1]
 
     def end(self) -> None:
         """After the pass's last layer: the staged writes, then who holds what."""

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from ..memory.allocator import OutOfPages
 from .batch import PoolBatchKVCache, PoolBatchRotatingKVCache
 from .page_table import PageTable
+from .paged_batch import PagedBatchKVCache
 from .protocol import OffsetTrim, window_mask
 
 log = logging.getLogger("mlx_radix")
@@ -143,13 +144,21 @@ class PoolBackedCache(OffsetTrim):
 
     @classmethod
     def merge(cls, caches):
-        """One batch cache for mlx-lm's batch path: a buffer, plus writes into the pool."""
+        """One batch cache for mlx-lm's batch path: the pool read layer by layer where the
+        pool allows it (``paged_batch.py``), else a buffer, plus writes into the pool."""
         first = caches[0]
         if all(
             isinstance(c, PoolBackedCache) and c.table.pool is first.table.pool and c._own is None
             for c in caches
         ):
-            batch = PoolBatchKVCache if first.window is None else PoolBatchRotatingKVCache
-            return batch.from_pool_caches(caches)
+            if first.table.pool.prefill_from_pool and not any(c.table.overflowed for c in caches):
+                return PagedBatchKVCache.from_pool_caches(caches)
+            return cls.buffered(caches)
         stock = [c.to_mlx_cache() if isinstance(c, PoolBackedCache) else c for c in caches]
         return type(stock[0]).merge(stock)
+
+    @staticmethod
+    def buffered(caches: list[PoolBackedCache]):
+        """mlx-lm's batch cache over a buffer filled from the pages (the exact decode path)."""
+        batch = PoolBatchKVCache if caches[0].window is None else PoolBatchRotatingKVCache
+        return batch.from_pool_caches(caches)

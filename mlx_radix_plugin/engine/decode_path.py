@@ -16,15 +16,17 @@ the pool, as admission does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache.batch import BatchRows
+from ..cache.batch import BatchRows, rows_of
 from ..cache.pool_backed import PoolBackedCache
 from ..cache.shared_batch import SharedPrefixBatchCache
 from ..memory.allocator import OutOfPages
 from ..memory.prefix_groups import PrefixGroup, group_rows
+from . import prefill_path
 
 MODES = ("auto", "on", "off")
 
@@ -104,7 +106,12 @@ DECODE_STATS = (
 
 def idle_stats(mode: str) -> dict:
     """``DecodePath.stats`` while nothing decodes."""
-    return {"decode_shared_prefix": mode, "decode_path": None, **dict.fromkeys(DECODE_STATS, 0)}
+    return {
+        "decode_shared_prefix": mode,
+        "decode_path": None,
+        "prefill_path": None,
+        **dict.fromkeys(DECODE_STATS, 0),
+    }
 
 
 class DecodePath:
@@ -126,9 +133,11 @@ class DecodePath:
         self.steps = {"shared": 0, "exact": 0}  # decode steps taken on each path
         self._decided: tuple[int, int, bool] | None = None  # (id of rows, version, shared)
 
-    def prepare(self, batch) -> None:
+    def prepare(self, batch, expected: Callable[[], list] | None = None) -> None:
         """Between steps of ``batch`` (mlx-lm's GenerationBatch): switch path if it should,
-        and on the shared path give every row a page slot for its next token."""
+        and on the shared path give every row a page slot for its next token.
+        ``expected``: what ``caches_for`` takes, asked for only where a shared batch would
+        go back to the exact path (it stays shared while others are about to join it)."""
         caches = batch.prompt_cache
         if self.mode == "off" or not caches:
             return
@@ -137,14 +146,14 @@ class DecodePath:
             return
         shared = isinstance(caches[0], SharedPrefixBatchCache)
         want = self._wants_shared(rows)
+        if shared and not want and expected is not None:
+            joining = expected()
+            want = bool(joining) and self._joined_wants_shared(None, rows, joining)
         if want and not self._reserve_next(rows):
             want = False  # a row has no page for its next token: the exact path copes
         if want and not shared:
             rows.shared = None  # what an earlier shared spell kept is stale now
-            batch.prompt_cache = [
-                SharedPrefixBatchCache(rows, layer, c.view, self.attention_calls, self.paged)
-                for layer, c in enumerate(caches)
-            ]
+            batch.prompt_cache = self._shared_caches(rows, caches)
         elif shared and not want:
             batch.prompt_cache = self._exact_caches(rows, caches)
 
@@ -183,9 +192,16 @@ class DecodePath:
         ps = rows.pool.page_size if isinstance(rows, BatchRows) else 0
         decode_bytes = sum(c.nbytes for c in caches)
         prefill_bytes = sum(c.nbytes for c in prompt.prompt_cache)
+        prefilling = bool(len(prompt) and prompt.prompt_cache)
         return {
             "decode_shared_prefix": self.mode,
             "decode_path": None if not caches else "shared" if shared else "exact",
+            # A prompt batch under way reads cached K/V from the pool, or from a buffer.
+            "prefill_path": None
+            if not prefilling
+            else "pool"
+            if prefill_path.is_paged(prompt.prompt_cache)
+            else "buffer",
             "decode_rows": len(generation),
             "decode_groups": sum(len(g.rows) > 1 for g in groups),
             "decode_shared_tokens": sum(g.tokens(ps) for g in groups if len(g.rows) > 1),
@@ -209,6 +225,57 @@ class DecodePath:
             return False
         return True
 
+    def caches_for(self, generation, caches: list, expected: list | None = None) -> list:
+        """The caches of rows that leave a prompt batch read from the pool (no buffer) to
+        join ``generation``, so that their K/V are not copied on the way where the shared
+        path can take them: they join a shared batch as its rows (as a buffered batch's
+        rows would); an empty batch, on the path ``auto`` picks for them; a batch on the
+        exact path, on the shared path if the joined batch takes it (that batch drops its
+        buffer now, before a copy of theirs is made), else with mlx-lm's buffer filled
+        from the pool. ``prepare`` picks the joined batch's path again after the step.
+
+        ``expected``: ``(pages, length)`` of requests still prefilling on these rows' pages,
+        which join them within a few steps: counted as if they had (so that the first of a
+        burst does not decode alone on a buffer of its context while its followers prefill)."""
+        rows = rows_of(caches)
+        if self.mode == "off" or not self._reserve_next(rows):
+            return prefill_path.buffered(caches)
+        existing = rows_of(generation.prompt_cache) if len(generation) else None
+        if existing is None:
+            shared = self._joined_wants_shared(None, rows, expected or ())
+        elif self.is_shared(generation):
+            shared = True
+        else:
+            shared = self._joined_wants_shared(existing, rows, expected or ())
+            shared = shared and self._reserve_next(existing)
+            if shared:
+                existing.shared = None  # what an earlier shared spell kept is stale now
+                generation.prompt_cache = self._shared_caches(existing, generation.prompt_cache)
+        return self._shared_caches(rows, caches) if shared else prefill_path.buffered(caches)
+
+    def _joined_wants_shared(
+        self, existing: BatchRows | None, rows: BatchRows, expected: list | tuple = ()
+    ) -> bool:
+        """``_wants_shared`` of the batch that ``rows`` joining ``existing`` makes (and the
+        ``expected`` rows, ``(pages, length)`` each)."""
+        tables = (existing.tables if existing is not None else []) + rows.tables
+        lengths = (existing.lengths if existing is not None else []) + rows.lengths
+        if any(t.overflowed or t.released for t in tables):
+            return False
+        if self.mode == "on":
+            return True
+        ps = rows.pool.page_size
+        pages = [t.pages for t in tables] + [p for p, _ in expected]
+        lengths = lengths + [n for _, n in expected]
+        groups = group_rows(pages, lengths, ps)
+        return self.rule.takes_shared(groups, lengths, ps)
+
+    def _shared_caches(self, rows: BatchRows, caches: list) -> list:
+        return [
+            SharedPrefixBatchCache(rows, layer, c.view, self.attention_calls, self.paged)
+            for layer, c in enumerate(caches)
+        ]
+
     @staticmethod
     def _exact_caches(rows: BatchRows, caches: list) -> list:
         """mlx-lm's batch caches for these rows, their buffers filled from the pool."""
@@ -216,4 +283,4 @@ class DecodePath:
             [c.view(t, layer, offset=n) for layer, c in enumerate(caches)]
             for t, n in zip(rows.tables, rows.lengths)
         ]
-        return [PoolBackedCache.merge([v[layer] for v in views]) for layer in range(len(caches))]
+        return [PoolBackedCache.buffered([v[layer] for v in views]) for layer in range(len(caches))]

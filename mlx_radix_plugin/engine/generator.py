@@ -40,9 +40,10 @@ from ..cache.prompt_cache import RadixPromptCache
 from ..cache.recurrent import Snapshot, cut_segments
 from ..memory import ranks
 from ..memory.allocator import OutOfPages
-from . import attention
+from . import attention, prefill_path
 from .decode_path import RULES, DecodePath, backend
 from .decode_step import BulkGenerationBatch
+from .prefill_path import PoolPromptBatch
 from .step_clock import StepClock
 
 log = logging.getLogger("mlx_radix")
@@ -73,11 +74,13 @@ class RadixBatchGenerator(BatchGenerator):
         radix: RadixPromptCache,
         *,
         shared_prefix: str = "off",
+        prefill_from_pool: str = "auto",
         snapshot_every: int = 64,
         clock: StepClock | None = None,
         **kwargs,
     ):
         """``shared_prefix``: ``auto``, ``on`` or ``off`` (engine/decode_path.py);
+        ``prefill_from_pool``: ``auto``, ``on`` or ``off`` (engine/prefill_path.py);
         ``snapshot_every``: pages between a hybrid model's prefill snapshots (0: none);
         ``clock``: where its decode steps' time is counted (the server's, which outlives its
         engines; engine/step_clock.py)."""
@@ -102,6 +105,13 @@ class RadixBatchGenerator(BatchGenerator):
             shared_prefix = "off"
         where = backend()
         self.decode_path = DecodePath(shared_prefix, RULES[where], calls or 0, where == "cuda")
+        # Prompt batches read cached K/V from the pool, and hand finished rows to the
+        # decode path's caches (engine/prefill_path.py).
+        prefill_path.enable(prefill_from_pool, radix.pool)
+        self._prompt_batch = PoolPromptBatch.empty(
+            self.model, self.sampler, prefill_step_size=self.prefill_step_size
+        )
+        self._prompt_batch.caches_for = self._decode_caches
         self.decode_stats = self.decode_path.stats(self._generation_batch, self._prompt_batch)
 
     def close(self):
@@ -285,6 +295,35 @@ class RadixBatchGenerator(BatchGenerator):
         self._unprocessed_sequences = deque(ready + waiting)
         return super()._make_batch(len(ready))
 
+    def _decode_caches(self, caches: list) -> list:
+        """The decode path's caches for rows leaving the prompt batch (prefill_path.py)."""
+        return self.decode_path.caches_for(
+            self._generation_batch, caches, self._expected(rows_of(caches))
+        )
+
+    def _expected(self, rows) -> list[tuple[list[int], int]]:
+        """``(pages, length)`` of the requests that will join ``rows`` on their pages: those
+        still prefilling on pages of theirs, and those waiting for them to be written (as
+        the pages they will take)."""
+        if rows is None or not (len(self._prompt_batch) or self._unprocessed_sequences):
+            return []
+        ps, leaving = rows.pool.page_size, {id(t) for t in rows.tables}
+        held = {p for t in rows.tables for p in t.pages}
+        expected = []
+        prefilling = rows_of(self._prompt_batch.prompt_cache)
+        for table in prefilling.tables if prefilling is not None else ():
+            if table.pages and table.pages[0] in held:
+                expected.append((table.pages, len(table.tokens or ())))
+        for sequence in self._unprocessed_sequences:
+            table = _table(sequence)
+            if table is None or table.depends is None:
+                continue
+            producer, _, upto = table.depends
+            producer = producer()
+            if producer is not None and id(producer) in leaving:
+                expected.append((producer.pages[: upto // ps], len(table.tokens or ())))
+        return expected
+
     def _pool_arrays(self) -> list[mx.array]:
         return self.radix.pool.arrays
 
@@ -368,7 +407,8 @@ class RadixBatchGenerator(BatchGenerator):
             self.prefill_batch_size = configured
         # The batch's path for its next step, chosen as soon as rows have joined or left:
         # a batch that goes shared drops its buffers now, not one step later.
-        self.decode_path.prepare(self._generation_batch)
+        gen = self._generation_batch
+        self.decode_path.prepare(gen, lambda: self._expected(rows_of(gen.prompt_cache)))
         # mlx-lm evaluates what the next tokens need, not our page writes: they are
         # scheduled here, behind the step that made them, without waiting for it.
         # Left pending, they pile up until something reads the pool and then run inside

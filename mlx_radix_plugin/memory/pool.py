@@ -244,6 +244,9 @@ class KVPool:
         # What holds K/V outside the pool (batch buffers, private copies): objects with a
         # ``buffer_nbytes``, counted in ``buffer_bytes`` while they live.
         self._buffers: weakref.WeakSet = weakref.WeakSet()
+        # Whether prompt batches read cached K/V from here layer by layer instead of
+        # filling a batch buffer (set by the engine: engine/prefill_path.py).
+        self.prefill_from_pool = False
         if chunk_pages is None:
             self._grow()
 

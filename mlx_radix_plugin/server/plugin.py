@@ -155,6 +155,7 @@ class RadixPlugin:
                 model,
                 radix,
                 shared_prefix=self.config["decode.shared_prefix"],
+                prefill_from_pool=self.config["prefill.from_pool"],
                 snapshot_every=self.config["radix.snapshot_every"],
                 clock=self.step_clock,
                 **capped,

@@ -1,0 +1,203 @@
+"""A prompt batch that reads cached K/V from the pool, layer by layer: no batch buffer.
+
+mlx-lm prefills a batch in a left-padded buffer holding every row's whole context, for
+every layer at once: N requests admitted on one cached P-token prefix hold N copies of it
+(``batch.py`` fills that buffer from the pool) until their prompts are done, and moving
+them to the decode batch copies it again. Here a layer's attention gets the same keys and
+values, in the same layout, gathered from the pool when the layer runs: one layer's
+context at a time, freed once its attention has read it, so what a prefill holds outside
+the pool is one layer's gather, not every layer's.
+
+The attention's inputs are the buffer's at every column a real token's query sees (the
+padding columns name a slot of the batch and are masked as stock masks them), laid out as
+the buffer is: a view of the first columns of an array as wide as the buffer would have
+grown (mlx-lm's growth rule, kept here as ``_capacity``). So its kernels give stock's
+outputs bitwise; a contiguous array of only the columns in use did not, with OpenBLAS, whose
+matrix products round by their operands' strides (one request of the bench's multi-turn
+workload on a tiny model answered differently). A pass reads the pool
+before it writes to it: each layer's new K/V are staged and written after the last layer
+(a write evaluated while a read of the same array is pending copies the whole array:
+``memory/pool.py``), and ``state``, which mlx-lm evaluates after every chunk, is the
+staged K/V, so that evaluation runs the reads and leaves the writes to the next pass.
+
+Only full-attention layers (a sliding window's rotating buffer has a layout of its own)
+and rows whose prompt pages are reserved (an overflowed row's K/V are not all in the pool)
+take this path (``engine/prefill_path.py`` decides). When rows move to decoding, the decode
+path gives them its own caches (``engine/decode_path.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import BatchKVCache
+
+from .batch import BatchRows, PoolBatchKVCache, _rows_for
+
+STEP = BatchKVCache.step  # columns the buffer grows by
+
+
+class PagedBatchKVCache:
+    """One layer of a prompt batch over the pool: mlx-lm's ``BatchKVCache`` bookkeeping
+    (left padding, offsets, columns) without its buffer."""
+
+    def __init__(self, rows: BatchRows, layer: int, view: type, left_padding: list[int]):
+        self.rows = rows
+        self.layer = layer
+        self.view = view  # what extract() hands back (a PoolBackedCache)
+        longest = max(rows.lengths, default=0)
+        self.left_padding = mx.array(left_padding)
+        self.offset = mx.array([longest - p for p in left_padding])
+        self._idx = longest  # stock's buffer columns in use
+        # Its columns (``PoolBatchKVCache._merged``: room for the rest of the prompt).
+        rest = max(1, max((len(t.tokens or ()) - n for t, n in zip(rows.tables, rows.lengths))))
+        self._capacity = longest + -(-rest // STEP) * STEP if longest else 0
+        self._right_padding: mx.array | None = None
+        # This layer's K/V of the last pass, what ``state`` evaluates. A pipelined model
+        # (``--pipeline``) ties its send to the last layer's cache, ``cache[-1].keys =
+        # mx.depends(cache[-1].keys, h)``: evaluating ``state`` then runs it.
+        self.keys: mx.array | None = None
+        self._values: mx.array | None = None
+
+    @classmethod
+    def from_pool_caches(cls, caches: list) -> PagedBatchKVCache:
+        rows = _rows_for(caches)
+        longest = max(c.offset for c in caches)
+        return cls(rows, caches[0].layer, type(caches[0]), [longest - c.offset for c in caches])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        rows = self.rows
+        ctx = rows.ctx or rows.begin(keys.shape[2], staged=True)
+        if ctx.any:
+            ctx.write(rows.pool, self.layer, keys, values)
+        prev, S = self._idx, keys.shape[2]
+        self._grow(prev + S)
+        context = rows.pool.rows(self.layer, rows.context_slots(prev)) if prev else (None, None)
+        self._idx = prev + S
+        laid_out = [x[..., : prev + S, :] for x in self._laid_out(context, (keys, values))]
+        # The batch's offsets moved once a pass, shared by every layer (as PoolBatchKVCache).
+        if ctx.offset is None:
+            ctx.offset = self.offset + S
+        self.offset = ctx.offset
+        self.keys, self._values = keys, values
+        ctx.calls += 1
+        if ctx.calls == rows.num_layers:
+            rows.end()
+            # Its writes go to the pool once the reads are done (KVPool.settle).
+            rows.pool.reading()
+        return laid_out[0], laid_out[1]
+
+    def _laid_out(self, context, new=None) -> list[mx.array]:
+        """K and V as the buffer holds them: ``context`` (the pool's rows of every row's
+        tokens, right-aligned in ``_idx`` columns) then ``new`` (this pass's), in an array
+        ``_capacity`` columns wide."""
+        B, H = len(self.rows.tables), self.rows.pool.specs[self.layer].kv_heads
+        prev = self._idx - (0 if new is None else new[0].shape[2])
+        out = []
+        for i, old in enumerate(context):
+            dim = old.shape[-1] if old is not None else new[i].shape[-1]
+            dtype = old.dtype if old is not None else new[i].dtype
+            x = mx.zeros((B, H, self._capacity, dim), dtype)
+            if prev:
+                x[..., :prev, :] = old.reshape(B, prev, H, -1).transpose(0, 2, 1, 3)
+            if new is not None:
+                x[..., prev : self._idx, :] = new[i]
+            out.append(x)
+        return out
+
+    def to_buffered(self) -> PoolBatchKVCache:
+        """The same rows over mlx-lm's buffer, as wide as it would have grown here, filled
+        from the pool: the decode batch that rows leaving this prompt batch would get from
+        a buffered one (its strides too, which some BLAS round by)."""
+        batch = PoolBatchKVCache.__new__(PoolBatchKVCache)
+        BatchKVCache.__init__(batch, [])
+        context = self.rows.pool.rows(self.layer, self.rows.context_slots(self._idx))
+        batch.keys, batch.values = self._laid_out(context)
+        batch.offset, batch.left_padding, batch._idx = self.offset, self.left_padding, self._idx
+        batch.layer, batch.rows, batch.view = self.layer, self.rows, self.view
+        self.rows.pool.hold_outside(batch)
+        return batch
+
+    def _grow(self, columns: int) -> None:
+        """The buffer's width once it holds ``columns``, as ``BatchKVCache`` grows it."""
+        if columns > self._capacity:
+            steps = -(-(columns - self._idx) // STEP) * STEP
+            kept = self._capacity if self._idx % STEP == 0 else self._idx
+            self._capacity = (kept if self._capacity else 0) + steps
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None:
+            raise ValueError("left padding is set when a paged prompt batch is made")
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = mx.array(right_padding)
+            self.rows.prepare(lengths)
+
+    def finalize(self):
+        # Stock rolls its buffer so that a short row's padding moves to the left; the pool
+        # holds only real tokens, and the next pass lays them out right-aligned anyway.
+        if self._right_padding is not None:
+            self.offset = self.offset - self._right_padding
+            self.left_padding = self.left_padding + self._right_padding
+            self._right_padding = None
+        self.rows.finalize()
+
+    def filter(self, batch_indices):
+        keep = list(batch_indices)
+        self.offset = self.offset[mx.array(keep)] if keep else self.offset[:0]
+        self.left_padding = self.left_padding[mx.array(keep)] if keep else self.left_padding[:0]
+        self.rows.once(lambda: self.rows.filter(keep))
+        if keep:
+            # Drop columns every row pads, as stock shifts its buffer.
+            shift = min(self.left_padding.tolist())
+            if shift > 0:
+                self._idx -= shift
+                self._capacity -= shift
+                self.left_padding = self.left_padding - shift
+
+    def extend(self, other: PagedBatchKVCache):
+        longest = max(self._idx, other._idx)
+        self.left_padding = mx.concatenate(
+            [self.left_padding + (longest - self._idx), other.left_padding + (longest - other._idx)]
+        )
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx = longest
+        if self._capacity or other._capacity:
+            self._capacity = max(self._capacity, other._capacity)
+        self.rows.once(lambda: self.rows.extend(other.rows))
+        other.rows = self.rows
+
+    def extract(self, idx: int):
+        """The request's caches as views of its pages: committed without a copy."""
+        return self.view(self.rows.tables[idx], self.layer, offset=self.rows.lengths[idx])
+
+    def __deepcopy__(self, memo) -> PagedBatchKVCache:
+        # mlx-lm copies a prompt batch to split it; every layer's copy shares one copy of
+        # the rows (``memo``), which address the same pages.
+        new = PagedBatchKVCache.__new__(PagedBatchKVCache)
+        new.__dict__.update(self.__dict__)
+        new.rows = copy.deepcopy(self.rows, memo)
+        return new
+
+    @property
+    def state(self):
+        return () if self.keys is None else (self.keys, self._values)
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return not self.rows.tables
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    buffer_nbytes = nbytes

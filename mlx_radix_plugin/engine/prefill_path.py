@@ -1,0 +1,80 @@
+"""How a prompt batch reads cached K/V: from the pool layer by layer, or from a batch buffer.
+
+``prefill.from_pool``:
+- ``auto`` or ``on``: prompt batches over the pool hold no buffer (``cache/paged_batch.py``):
+  each layer gathers its rows' context from the pool as it runs. Its attention gets the
+  buffer's keys and values in the buffer's layout, so logits are stock's bitwise; what it
+  changes is memory: a prefill holds one layer's context outside the pool, not every
+  layer's. Models with a sliding-window layer keep the buffer (a rotating buffer's layout
+  is its own).
+- ``off``: mlx-lm's buffer, filled from the pool at admission (``cache/batch.py``).
+
+Rows that finish their prompt move to the decode batch through ``PoolPromptBatch.split``:
+they get the caches of the decode path they join (``DecodePath.caches_for``), so the
+prefix is not copied there either when they decode on the shared path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import PromptProcessingBatch
+
+from ..cache.paged_batch import PagedBatchKVCache
+from ..memory.pool import KVPool
+
+log = logging.getLogger("mlx_radix")
+
+MODES = ("auto", "on", "off")
+
+
+def enable(mode: str, pool: KVPool) -> bool:
+    """Set whether ``pool``'s prompt batches read it layer by layer; returns it."""
+    if mode not in MODES:
+        raise ValueError(f"prefill.from_pool must be one of {', '.join(MODES)}, got {mode!r}")
+    windowed = any(spec.window is not None for spec in pool.specs)
+    if mode == "on" and windowed:
+        log.info("prefill.from_pool: a sliding-window layer keeps the batch buffer")
+    pool.prefill_from_pool = mode != "off" and not windowed
+    return pool.prefill_from_pool
+
+
+def is_paged(caches: list) -> bool:
+    return any(isinstance(c, PagedBatchKVCache) for c in caches)
+
+
+class PoolPromptBatch(PromptProcessingBatch):
+    """mlx-lm's prompt batch, whose rows leave for decoding with the decode path's caches."""
+
+    # Given the caches of rows that finished their prompts, the caches they decode with.
+    caches_for: Callable[[list], list] | None = None
+
+    def split(self, indices):
+        batch = super().split(indices)
+        if self.caches_for is not None and is_paged(batch.prompt_cache):
+            batch.prompt_cache = self.caches_for(batch.prompt_cache)
+        return batch
+
+    def extend(self, batch):
+        # A batch that could not read the pool (a row the pool cannot hold) joins one that
+        # does, or the other way: both take the buffer (all their tokens are in the pool).
+        if self.prompt_cache and batch.prompt_cache:
+            if is_paged(self.prompt_cache) and not is_paged(batch.prompt_cache):
+                self.prompt_cache = buffered(self.prompt_cache)
+            elif is_paged(batch.prompt_cache) and not is_paged(self.prompt_cache):
+                batch.prompt_cache = buffered(batch.prompt_cache)
+        super().extend(batch)
+
+
+def buffered(caches: list) -> list:
+    """The same rows over mlx-lm's batch buffer, as wide as it would have grown, filled from
+    the pool (``PagedBatchKVCache.to_buffered``); evaluated together, before the pool is
+    written again (a write evaluated with a pending read of its array copies it)."""
+    out = [c.to_buffered() if isinstance(c, PagedBatchKVCache) else c for c in caches]
+    made = [c for c, old in zip(out, caches) if c is not old]
+    if made:
+        made[0].rows.pool.settle()
+        mx.eval([c.state for c in made])
+    return out

@@ -1,0 +1,201 @@
+"""Prefill from the pool (cache/paged_batch.py): the buffer's logits bitwise, and no buffer."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+from test_generation import KEY
+from test_shared_prefix import Recorder, admit, prefix_of, question, radix, warm
+from tiny_models import ARCHS, CONFIGS
+
+from mlx_radix_plugin import KVPool, RadixPromptCache
+from mlx_radix_plugin.cache.batch import BatchRows
+from mlx_radix_plugin.cache.page_table import PageTable
+from mlx_radix_plugin.cache.paged_batch import PagedBatchKVCache
+from mlx_radix_plugin.engine.generator import RadixBatchGenerator
+
+
+def prefill_run(model, tok, rpc, prompts, *, prefill, step, late=()):
+    """The engine (exact decode) on ``prompts``; those in ``late`` join two steps in.
+    Returns tokens and logits per request, and whether a prompt batch read the pool."""
+    rec = Recorder(tok.eos_token_ids)
+    gen = RadixBatchGenerator(
+        model,
+        rpc,
+        shared_prefix="off",
+        prefill_from_pool=prefill,
+        completion_batch_size=16,
+        prefill_batch_size=8,
+        prefill_step_size=step,
+    )
+    paged = []
+
+    def admit_rows(idx):
+        uids = admit(
+            gen,
+            rpc,
+            [prompts[i] for i in idx],
+            [6] * len(idx),
+            logits_processors=[[rec.processor(i)] for i in idx],
+        )
+        return dict(zip(uids, idx))
+
+    who = admit_rows([i for i in range(len(prompts)) if i not in late])
+    out = {i: [] for i in range(len(prompts))}
+    steps = 0
+    while sum(len(t) for t in out.values()) < 6 * len(prompts):
+        if steps == 2 and late:
+            who.update(admit_rows(list(late)))
+        paged.append(any(isinstance(c, PagedBatchKVCache) for c in gen._prompt_batch.prompt_cache))
+        responses = gen.next()[1]
+        steps += bool(responses)
+        for r in responses:
+            out[who[r.uid]].append(r.token)
+            if r.finish_reason is not None:
+                rpc.insert_cache(KEY, r.all_tokens, r.prompt_cache)
+    gen.close()
+    return [out[i] for i in range(len(prompts))], rec.logits, any(paged)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("step", [2048, 8], ids=["one pass", "passes of 8 tokens"])
+def test_a_prefill_read_from_the_pool_gives_the_buffer_s_logits_bitwise(loaded, arch, step):
+    """Against the same engine filling a buffer (itself stock's tokens, test_batch.py):
+    rows of several lengths on a cached prefix (right padding, left padding), a cold
+    prompt, and rows that join a prompt batch under way."""
+    model, tok = loaded(arch)
+    prefix = prefix_of(tok, 40)
+    prompts = [prefix + question(tok, i) * (1 + i % 3) for i in range(4)]
+    prompts += [tok.encode("A cold prompt that nothing cached holds.")]
+    prompts += [prefix[:24] + question(tok, 9)]
+    runs = {}
+    for prefill in ("off", "auto"):
+        rpc = radix(model)
+        warm(model, rpc, [prefix])
+        runs[prefill] = prefill_run(model, tok, rpc, prompts, prefill=prefill, step=step, late=(5,))
+    (tokens, logits, paged), (stock_tokens, stock_logits, buffered) = runs["auto"], runs["off"]
+    assert not buffered
+    windowed = any(s.window is not None for s in KVPool.for_model(model, pool_tokens=64).specs)
+    assert paged == (not windowed)
+    assert tokens == stock_tokens
+    for i, steps in stock_logits.items():
+        assert len(logits[i]) == len(steps)
+        for a, b in zip(logits[i], steps):
+            assert mx.array_equal(a, b).item(), (arch, i)
+
+
+def _deep_model():
+    """The test llama's shape with 12 layers (random weights, not written to disk)."""
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(dict(CONFIGS["llama"], num_hidden_layers=12)))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("prefill", ["auto", "off"])
+def test_requests_joining_a_cached_prefix_hold_one_layer_of_it_outside_the_pool(prefill):
+    """8 requests on a cached 1,024-token prefix, each 16 tokens of its own, until all
+    decode: MLX's peak over what the pool and weights hold is the suffixes' K/V plus one
+    layer's working set (its rows' context gathered and laid out, and the scores), not
+    copies of the prefix (off: a buffer of every row's context in every layer, 16x it)."""
+    model = _deep_model()
+    rpc = RadixPromptCache(KVPool.for_model(model, page_size=16, pool_tokens=8192))
+    prefix = mx.random.randint(3, 500, (1024,)).tolist()
+
+    def admit_all(gen, prompts, max_tokens):
+        fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+        gen.insert_segments(
+            [[r] for _, r in fetched],
+            max_tokens=[max_tokens] * len(prompts),
+            caches=[c for c, _ in fetched],
+            all_tokens=[p[: len(p) - len(r)] for p, (_, r) in zip(prompts, fetched)],
+        )
+
+    gen = RadixBatchGenerator(model, rpc, prefill_from_pool=prefill)
+    admit_all(gen, [prefix], 1)
+    while not (done := [r for r in gen.next()[1] if r.finish_reason]):
+        pass
+    rpc.insert_cache(KEY, done[0].all_tokens, done[0].prompt_cache)
+    gen.close()
+
+    rows, own, layers = 8, 16, len(model.layers)
+    gen = RadixBatchGenerator(
+        model,
+        rpc,
+        shared_prefix="auto",  # the server's default: these rows then decode on one copy
+        prefill_from_pool=prefill,
+        completion_batch_size=rows,
+        prefill_batch_size=rows,
+    )
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    admit_all(gen, [prefix + [5 + i] * own for i in range(rows)], 4)
+    while len(gen._generation_batch) < rows:
+        gen.next()
+    mx.synchronize()
+    peak = mx.get_peak_memory() - base
+    gen.close()
+
+    token_kv = 2 * 2 * 16 * 4  # K and V of one token in one layer: 2 heads x 16, float32
+    width = len(prefix) + own
+    # One layer: its rows' context gathered, then laid out with the new tokens (two copies),
+    # and the attention's float32 scores (4 query heads).
+    working_set = 2 * rows * width * token_kv + rows * 4 * own * width * 4
+    suffix_kv = rows * own * layers * token_kv
+    one_copy = len(prefix) * layers * token_kv
+    if prefill == "auto":
+        assert peak <= suffix_kv + working_set + 2**20, (peak, one_copy)
+    else:
+        assert peak > 8 * one_copy  # what this test holds the pool path against
+
+
+@pytest.mark.parametrize("prefill", ["auto", "off"])
+def test_a_burst_on_a_new_prefix_holds_no_buffer_from_admission_to_decoding(loaded, prefill):
+    """8 requests at once on a new 1,024-token prefix: the first computes it, the others
+    prefill their suffixes on its pages, then all decode on the shared path (the CPU rule
+    takes it for 7k token reads saved a layer). Read from the pool, no batch holds a copy
+    of anyone's K/V at any call: not the prompt batches, nor the first request's decode
+    batch while its followers prefill (it waits for them on the shared path)."""
+    model, tok = loaded("llama")
+    rpc = radix(model, tokens=16384)
+    prefix = (tok.encode("You are a helpful assistant. ") * 200)[:1024]
+    gen = RadixBatchGenerator(
+        model,
+        rpc,
+        shared_prefix="auto",
+        prefill_from_pool=prefill,
+        completion_batch_size=8,
+        prefill_batch_size=8,
+    )
+    admit(gen, rpc, [prefix + question(tok, i) for i in range(8)], [4] * 8)
+    held, done = [], 0
+    while done < 8:
+        done += sum(r.finish_reason is not None for r in gen.next()[1])
+        stats = gen.decode_stats
+        held.append(stats["decode_buffer_bytes"] + stats["prefill_buffer_bytes"])
+    gen.close()
+    assert rpc.stats()["cached_tokens"] >= 7 * 1024  # the prefix computed once
+    if prefill == "auto":
+        assert max(held) == 0
+    else:
+        assert max(held) > 0
+
+
+def test_context_slots_follow_the_rows_not_only_their_lengths(loaded):
+    """A prompt batch whose rows change (one leaves, another of the same length joins)
+    reads the new row's pages, though the lengths are the same as before."""
+    model, _ = loaded("llama")
+    pool = KVPool.for_model(model, page_size=4, pool_tokens=256)
+    tables = []
+    for _ in range(3):
+        t = PageTable(pool)
+        t.prepare_write(0, 8)
+        tables.append(t)
+    rows = BatchRows(pool, tables[:2], [8, 8])
+    before = rows.context_slots(8).host.tolist()
+    rows.filter([1])
+    rows.extend(BatchRows(pool, tables[2:], [8]))
+    after = rows.context_slots(8).host.tolist()
+    assert before[:8] == tables[0].host_slots(0, 8).tolist()
+    assert after == tables[1].host_slots(0, 8).tolist() + tables[2].host_slots(0, 8).tolist()
