@@ -3,7 +3,8 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
-from test_generation import KEY
+from test_batch import run_batch
+from test_generation import KEY, no_eos
 from test_shared_prefix import Recorder, admit, prefix_of, question, radix, warm
 from tiny_models import ARCHS, CONFIGS
 
@@ -12,6 +13,7 @@ from mlx_radix_plugin.cache.batch import BatchRows
 from mlx_radix_plugin.cache.page_table import PageTable
 from mlx_radix_plugin.cache.paged_batch import PagedBatchKVCache
 from mlx_radix_plugin.engine.generator import RadixBatchGenerator
+from mlx_radix_plugin.engine.prefill_path import is_paged
 
 
 def prefill_run(model, tok, rpc, prompts, *, prefill, step, late=()):
@@ -199,3 +201,30 @@ def test_context_slots_follow_the_rows_not_only_their_lengths(loaded):
     after = rows.context_slots(8).host.tolist()
     assert before[:8] == tables[0].host_slots(0, 8).tolist()
     assert after == tables[1].host_slots(0, 8).tolist() + tables[2].host_slots(0, 8).tolist()
+
+
+def test_a_request_joining_a_prompt_batch_the_pool_cannot_hold_takes_its_buffer(loaded):
+    """A prompt larger than the pool prefills from a buffer (its K/V are not all in the
+    pool); a short request arriving while it prefills joins that batch on a buffer too,
+    and both answer as stock's engine does."""
+    model, tok = loaded("llama")
+    long = tok.encode("A long story about foxes, dogs, rivers and hills. " * 4)
+    short = tok.encode("Hi there")
+    stock = run_batch(model, tok, [long, short], max_tokens=6, step=8)
+    rpc = radix(model, tokens=16 * 4)
+    assert len(long) > 16 * 4
+    gen = RadixBatchGenerator(model, rpc, prefill_step_size=8, prefill_batch_size=4)
+    uids = admit(gen, rpc, [long], [6], logits_processors=[[no_eos(tok.eos_token_ids)]])
+    gen.next()
+    assert len(gen._prompt_batch) == 1 and not is_paged(gen._prompt_batch.prompt_cache)
+    uids += admit(gen, rpc, [short], [6], logits_processors=[[no_eos(tok.eos_token_ids)]])
+    out = {u: [] for u in uids}
+    kinds = set()
+    while sum(map(len, out.values())) < 12:
+        if len(gen._prompt_batch):
+            kinds.add(is_paged(gen._prompt_batch.prompt_cache))
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+    gen.close()
+    assert kinds == {False}
+    assert [out[u] for u in uids] == stock
