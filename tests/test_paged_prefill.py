@@ -184,7 +184,7 @@ def test_a_burst_on_a_new_prefix_holds_no_buffer_from_admission_to_decoding(load
         assert max(held) > 0
 
 
-def test_context_slots_follow_the_rows_not_only_their_lengths(loaded):
+def test_aligned_slots_follow_the_rows_not_only_their_lengths(loaded):
     """A prompt batch whose rows change (one leaves, another of the same length joins)
     reads the new row's pages, though the lengths are the same as before."""
     model, _ = loaded("llama")
@@ -195,10 +195,10 @@ def test_context_slots_follow_the_rows_not_only_their_lengths(loaded):
         t.prepare_write(0, 8)
         tables.append(t)
     rows = BatchRows(pool, tables[:2], [8, 8])
-    before = rows.context_slots(8).host.tolist()
+    before = rows.aligned_slots(rows.lengths, 8).host.tolist()
     rows.filter([1])
     rows.extend(BatchRows(pool, tables[2:], [8]))
-    after = rows.context_slots(8).host.tolist()
+    after = rows.aligned_slots(rows.lengths, 8).host.tolist()
     assert before[:8] == tables[0].host_slots(0, 8).tolist()
     assert after == tables[1].host_slots(0, 8).tolist() + tables[2].host_slots(0, 8).tolist()
 

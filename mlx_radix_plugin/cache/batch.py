@@ -132,8 +132,7 @@ class BatchRows:
         self.num_layers = pool.num_layers
         self.ctx: BatchedDecodeContext | None = None  # of the forward pass under way
         self.merged: list = []  # layers merged so far, while mlx-lm merges layer by layer
-        self._copy_in: tuple[tuple[int, ...], Slots] | None = None
-        self._context: tuple[tuple, Slots] | None = None
+        self._aligned: tuple[tuple, Slots] | None = None
         self._op_calls = 0
         # Shared-prefix decode (shared_batch.py): its groups and own slots, kept until rows
         # join or leave, and the pass under way.
@@ -141,22 +140,23 @@ class BatchRows:
         self.shared_pass = None
         self.version = 0  # bumped when rows join or leave
 
-    def copy_in_slots(self, lengths: list[int]) -> Slots:
-        """Slots of every row's cached tokens, left-padded to the longest; built once.
+    def aligned_slots(self, lengths: list[int], width: int) -> Slots:
+        """Slots of each row's first ``lengths`` tokens, right-aligned in ``width`` columns:
+        the batch buffer's layout, its padding on the left. Built once for a layout (a
+        copy-in's, or a pass's: every layer reads it).
 
-        Padding points at a slot of the batch (the left-padding mask hides it), so that it
-        touches no chunk the rows do not.
-        """
-        key = tuple(lengths)
-        if self._copy_in is None or self._copy_in[0] != key:
-            longest = max(lengths)
+        Padding names a slot of the batch (the left-padding mask hides it), so that it
+        touches no chunk the rows do not."""
+        # Rows that join or leave (``version``) can leave the same lengths with other pages.
+        key = (self.version, tuple(lengths), width, tuple(t.changes for t in self.tables))
+        if self._aligned is None or self._aligned[0] != key:
             parts = [t.host_slots(0, n) for t, n in zip(self.tables, lengths)]
-            pad = next(p[0] for p in parts if p.size)
+            pad = next((p[0] for p in parts if p.size), 0)
             host = np.concatenate(
-                [np.concatenate([np.full(longest - p.size, pad), p]) for p in parts]
+                [np.concatenate([np.full(width - p.size, pad), p]) for p in parts]
             )
-            self._copy_in = (key, self.pool.slots(host))
-        return self._copy_in[1]
+            self._aligned = (key, self.pool.slots(host))
+        return self._aligned[1]
 
     def begin(self, step: int, staged: bool = False) -> BatchedDecodeContext:
         """The context of a forward pass of ``step`` tokens per row; its first layer calls this."""
@@ -166,22 +166,6 @@ class BatchRows:
             valid = [max(0, min(step, n - self.processed)) for n in self.prompt_lengths]
         self.ctx = BatchedDecodeContext(self.tables, self.lengths, valid, step, staged)
         return self.ctx
-
-    def context_slots(self, width: int) -> Slots:
-        """Slots of every row's tokens in the pool, right-aligned in ``width`` columns (the
-        batch buffer's layout, its padding on the left); built once a pass.
-
-        Padding names a slot of the batch, which the mask hides."""
-        # Rows that join or leave (``version``) can leave the same lengths with other pages.
-        key = (self.version, tuple(self.lengths), width, tuple(t.changes for t in self.tables))
-        if self._context is None or self._context[0] != key:
-            parts = [t.host_slots(0, n) for t, n in zip(self.tables, self.lengths)]
-            pad = next((p[0] for p in parts if p.size), 0)
-            host = np.concatenate(
-                [np.concatenate([np.full(width - p.size, pad), p]) for p in parts]
-            )
-            self._context = (key, self.pool.slots(host))
-        return self._context[1]
 
     def end(self) -> None:
         """After the pass's last layer: the staged writes, then who holds what."""
@@ -374,7 +358,7 @@ class PoolBatchKVCache(_PoolWrites, BatchKVCache):
         if longest == 0:
             return BatchKVCache([0] * len(caches))
         pad = [longest - n for n in lengths]
-        slots = rows.copy_in_slots(lengths)
+        slots = rows.aligned_slots(lengths, longest)
         pool, layer = caches[0].table.pool, caches[0].layer
         B, H = len(caches), pool.specs[layer].kv_heads
         batch = BatchKVCache(pad)

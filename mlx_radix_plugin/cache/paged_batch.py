@@ -74,7 +74,7 @@ class PagedBatchKVCache:
             ctx.write(rows.pool, self.layer, keys, values)
         prev, S = self._idx, keys.shape[2]
         self._grow(prev + S)
-        context = rows.pool.rows(self.layer, rows.context_slots(prev)) if prev else (None, None)
+        context = self._context(prev) if prev else (None, None)
         self._idx = prev + S
         laid_out = [x[..., : prev + S, :] for x in self._laid_out(context, (keys, values))]
         # The batch's offsets moved once a pass, shared by every layer (as PoolBatchKVCache).
@@ -88,6 +88,11 @@ class PagedBatchKVCache:
             # Its writes go to the pool once the reads are done (KVPool.settle).
             rows.pool.reading()
         return laid_out[0], laid_out[1]
+
+    def _context(self, width: int) -> tuple[mx.array, mx.array]:
+        """The pool's K and V rows of every row's tokens, right-aligned in ``width``."""
+        rows = self.rows
+        return rows.pool.rows(self.layer, rows.aligned_slots(rows.lengths, width))
 
     def _laid_out(self, context, new=None) -> list[mx.array]:
         """K and V as the buffer holds them: ``context`` (the pool's rows of every row's
@@ -113,8 +118,7 @@ class PagedBatchKVCache:
         a buffered one (its strides too, which some BLAS round by)."""
         batch = PoolBatchKVCache.__new__(PoolBatchKVCache)
         BatchKVCache.__init__(batch, [])
-        context = self.rows.pool.rows(self.layer, self.rows.context_slots(self._idx))
-        batch.keys, batch.values = self._laid_out(context)
+        batch.keys, batch.values = self._laid_out(self._context(self._idx))
         batch.offset, batch.left_padding, batch._idx = self.offset, self.left_padding, self._idx
         batch.layer, batch.rows, batch.view = self.layer, self.rows, self.view
         self.rows.pool.hold_outside(batch)

@@ -158,15 +158,13 @@ class DecodePath:
             batch.prompt_cache = self._exact_caches(rows, caches)
 
     def _wants_shared(self, rows: BatchRows) -> bool:
-        if any(t.overflowed or t.released for t in rows.tables):
-            return False  # part of its K/V is only in a buffer
-        if self.mode == "on":
-            return True
+        """``_joined_wants_shared`` of ``rows`` alone, the rule's verdict kept until rows
+        join or leave."""
+        if self.mode == "on" or any(t.overflowed or t.released for t in rows.tables):
+            return self._joined_wants_shared(None, rows)
         key = (id(rows), rows.version)
         if self._decided is None or self._decided[:2] != key:
-            ps = rows.pool.page_size
-            groups = group_rows([t.pages for t in rows.tables], rows.lengths, ps)
-            self._decided = (*key, self.rule.takes_shared(groups, rows.lengths, ps))
+            self._decided = (*key, self._joined_wants_shared(None, rows))
         return self._decided[2]
 
     @staticmethod
@@ -261,7 +259,7 @@ class DecodePath:
         tables = (existing.tables if existing is not None else []) + rows.tables
         lengths = (existing.lengths if existing is not None else []) + rows.lengths
         if any(t.overflowed or t.released for t in tables):
-            return False
+            return False  # part of its K/V is only in a buffer
         if self.mode == "on":
             return True
         ps = rows.pool.page_size
