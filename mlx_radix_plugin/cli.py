@@ -338,6 +338,8 @@ def _model_report(model_path, cfg, mem) -> dict:
         pool_max_tokens=pool.max_pages * pool.page_size,
         pool_max_bytes=pool.max_nbytes,
         pool_chunk_bytes=pool.chunk_slots * pool.bytes_per_token,
+        # What a prefill reading the pool may hold in temporaries between evaluations.
+        prefill_working_bytes=pool.prefill_working_bytes,
     )
     if pool.recurrent:
         # A hybrid: its recurrent layers resume from snapshots (memory/snapshots.py).

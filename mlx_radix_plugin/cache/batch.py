@@ -68,6 +68,7 @@ class BatchedDecodeContext:
         self.step = step
         self.staged = staged or step == 1
         self.calls = 0  # layers that have run this pass
+        self.pending_bytes = 0  # temporaries of its layers not yet evaluated (paged_batch.py)
         self.offset: mx.array | None = None
         self.keys: dict[int, mx.array] = {}
         self.values: dict[int, mx.array] = {}

@@ -107,7 +107,9 @@ class RadixBatchGenerator(BatchGenerator):
         self.decode_path = DecodePath(shared_prefix, RULES[where], calls or 0, where == "cuda")
         # Prompt batches read cached K/V from the pool, and hand finished rows to the
         # decode path's caches (engine/prefill_path.py).
-        prefill_path.enable(prefill_from_pool, radix.pool)
+        heads = getattr(getattr(model, "args", None), "num_attention_heads", None)
+        heads = heads if isinstance(heads, int) else None
+        prefill_path.enable(prefill_from_pool, radix.pool, heads)
         self._prompt_batch = PoolPromptBatch.empty(
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )

@@ -30,14 +30,16 @@ log = logging.getLogger("mlx_radix")
 MODES = ("auto", "on", "off")
 
 
-def enable(mode: str, pool: KVPool) -> bool:
-    """Set whether ``pool``'s prompt batches read it layer by layer; returns it."""
+def enable(mode: str, pool: KVPool, query_heads: int | None = None) -> bool:
+    """Set whether ``pool``'s prompt batches read it layer by layer; returns it.
+    ``query_heads``: the model's, which size a layer's scores (``PagedBatchKVCache``)."""
     if mode not in MODES:
         raise ValueError(f"prefill.from_pool must be one of {', '.join(MODES)}, got {mode!r}")
     windowed = any(spec.window is not None for spec in pool.specs)
     if mode == "on" and windowed:
         log.info("prefill.from_pool: a sliding-window layer keeps the batch buffer")
     pool.prefill_from_pool = mode != "off" and not windowed
+    pool.query_heads = query_heads
     return pool.prefill_from_pool
 
 

@@ -247,6 +247,11 @@ class KVPool:
         # Whether prompt batches read cached K/V from here layer by layer instead of
         # filling a batch buffer (set by the engine: engine/prefill_path.py).
         self.prefill_from_pool = False
+        # What a prompt pass reading the pool may hold in temporaries between evaluations
+        # (its layers' gathered context and scores; paged_batch.py), and the query heads a
+        # layer's scores have (engine/prefill_path.py). None: no bound.
+        self.prefill_working_bytes: int | None = None
+        self.query_heads: int | None = None
         if chunk_pages is None:
             self._grow()
 
@@ -301,6 +306,9 @@ class KVPool:
         chunks = -(-pages // max(1, chunk_bytes // page_bytes))
         pool = cls(specs, pages // chunks * chunks, page_size, dtype, chunk_pages=pages // chunks)
         pool.plan = plan
+        # The plan's reserve for K/V outside the pool, which a prefill reading the pool holds
+        # no buffers in: its temporaries' bound.
+        pool.prefill_working_bytes = buffer_reserve_bytes(per_token, max_batch_size)
         pool.layout = layout
         pool.state_sizes = state_sizes
         pool.snapshot_budget = (snapshot_bytes or 0) if state_sizes else 0
@@ -327,6 +335,7 @@ class KVPool:
             self.specs, pages // chunk * chunk, self.page_size, self.dtype, chunk_pages=chunk
         )
         pool.plan, pool.layout, pool.state_sizes = self.plan, self.layout, self.state_sizes
+        pool.prefill_working_bytes = self.prefill_working_bytes
         pool.snapshot_row_bytes, pool.snapshot_budget = each, snapshots * each
         return pool
 

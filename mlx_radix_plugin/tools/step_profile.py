@@ -99,6 +99,9 @@ def timed_evals(clock: _Clock):
         mx.eval, mx.async_eval = saved
 
 
+ONE_CHUNK_MIB = 1 << 20  # larger than any pool here: one chunk
+
+
 def profile(model, rows: int, mode: str, steps: int, args, gpu, fuse: bool = True) -> dict:
     """Median parts of a step of ``rows`` requests decoding together, in ms."""
     import mlx.core as mx
@@ -120,9 +123,13 @@ def profile(model, rows: int, mode: str, steps: int, args, gpu, fuse: bool = Tru
     clock = _Clock()
     # As mlx_lm.server runs it: its generation thread's default stream (else mlx-lm's own).
     stream = mx.default_stream(mx.default_device()) if args.thread else None
+    # The pool in one chunk, as a server's holds these rows (its chunks are an eighth of its
+    # ceiling: 12.9 GB for Llama-3-8B on an H200). Sized to the rows, it came in chunks of 256
+    # MiB, which 32 rows' pages spanned, and CUDA's paged kernel gave way to the masked variant
+    # there: 15.3 ms a step against 8.2 in one chunk (docs/gpu.md).
     gen = make_generator(
         model, prompts, mode, steps + 64, processors=processors, samplers=samplers,
-        pool_tokens=args.pool_tokens or None, stream=stream, fuse=fuse,
+        pool_tokens=args.pool_tokens or None, stream=stream, fuse=fuse, chunk_mib=ONE_CHUNK_MIB,
     )  # fmt: skip
     # mlx-lm's batches call the model their generator was made with.
     gen.model = gen._generation_batch.model = _TimedModel(model, clock)
