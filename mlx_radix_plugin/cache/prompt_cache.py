@@ -160,6 +160,13 @@ class RadixPromptCache:
     ) -> tuple[list[Any], list[int]]:
         """A hybrid model's fetch: it resumes at the deepest matched node holding a snapshot
         of the recurrent layers, with the K/V pages up to there; nothing in between."""
+        tail = match.partial_node
+        if tail is not None and match.partial_len == len(tail.tokens) and tail in self.snapshots:
+            # The match ends with a whole tail page holding a snapshot (a finished request's
+            # end): resume after it, the page taken or copied as an attention model's is.
+            table, n, snapshot = self._resume_at_tail(model_key, tokens, match)
+            if table is not None:
+                return self._hybrid_caches(table, n, snapshot, match.length)
         node, n = match.node, match.length
         while not node.is_root and node not in self.snapshots:
             n -= len(node.tokens)
@@ -171,12 +178,43 @@ class RadixPromptCache:
         table = PageTable(self.pool, pages, n, unlock=partial(self._unlock, node))
         table.model_key, table.tokens, table.committed = model_key, tokens, n
         table.prompt_committed = False
+        return self._hybrid_caches(table, n, snapshot, match.length)
+
+    def _resume_at_tail(
+        self, model_key: Hashable, tokens: list[int], match: MatchResult
+    ) -> tuple[PageTable | None, int, Snapshot | None]:
+        """A table holding the match and its tail page, the tokens it holds, and the tail's
+        snapshot; (None, 0, None) where no page is free for a copy of the tail."""
+        snapshot = self.snapshots.get(match.partial_node)  # before the tail may leave the tree
+        self.tree.lock(match.node)
+        self.pool.allocator.incref(match.pages)
+        table = PageTable(
+            self.pool, match.pages, match.length, unlock=partial(self._unlock, match.node)
+        )
+        table.model_key, table.tokens = model_key, tokens
+        table.prompt_committed = False
+        try:
+            n = self._continue_partial(table, match)
+        except OutOfPages:
+            table.release()
+            return None, 0, None
+        table.committed, table.written = match.length, n
+        return table, n, snapshot
+
+    def _hybrid_caches(
+        self, table: PageTable, n: int, snapshot: Snapshot | None, matched: int
+    ) -> tuple[list[Any], list[int]]:
+        """A hybrid request's caches from ``n`` cached tokens (the recurrent layers from
+        ``snapshot``), where its K/V match ran to ``matched``; and the tokens left."""
+        model_key, tokens = table.model_key, table.tokens
         track = table.recurrent = RecurrentTrack()
-        if match.length > n:
+        if matched > n:
             # The K/V match runs deeper than any snapshot: a snapshot where it ends lets
             # the next request on this branch resume there (the engine takes it).
-            track.wanted.add(match.length)
-        if self.share_inflight:
+            track.wanted.add(matched)
+        if self.share_inflight and n % self.pool.page_size == 0:
+            # (A request resuming inside its tail page computes the rest itself: another's
+            # pages would replace that page, which holds tokens of its own.)
             producer, shared = self._inflight_match(model_key, tokens, n)
             # The producer must stop its prefill where this one takes over, and leave its
             # state there (the engine restores it then); one already past is not waited for.
@@ -226,16 +264,13 @@ class RadixPromptCache:
             # Only what reached the pool: a request that ran out of pages went on privately.
             n = min(min(c.offset for c in kv), len(tokens), table.written)
             track = table.recurrent
-            if (
-                track is not None
-                and not table.in_batch
-                and n % self.pool.page_size == 0
-                and not table.overflowed
-            ):
-                # A request that ends on a page boundary: its final state is a snapshot.
+            if track is not None and not table.in_batch and not table.overflowed:
+                # A finished request's final state is a snapshot where it ends, on its tail
+                # page when that is partial: the next turn of a chat resumes there, as from
+                # stock's cache, not at the page boundary before it (_fetch_hybrid).
                 final = Snapshot.of_request(prompt_cache, self.recurrent)
                 if final is not None:
-                    track.decoded = (n, final)
+                    track.captured[n] = final
             prompt = table.tokens or []
             if list(tokens[: len(prompt)]) != prompt[: len(tokens)]:
                 # Not the tokens this table's pages hold: committing would file K/V

@@ -193,13 +193,15 @@ class RadixTree:
         return best_node, best
 
     def node_ending_at(self, namespace: Hashable, tokens: Sequence[int]) -> TreeNode | None:
-        """The node that ends after ``tokens`` (whole pages), split there if need be; None
-        if the tree does not hold them all. Touches no access count: it finds, not uses."""
+        """The node that ends after ``tokens``, split there if need be: after whole pages,
+        or the tail holding exactly the rest of them; None if the tree does not hold them
+        all. Touches no access count: it finds, not uses."""
         ps = self.page_size
-        if len(tokens) % ps or not tokens:
+        if not tokens:
             return None
+        whole = len(tokens) // ps * ps
         node, pos = self._root(namespace), 0
-        while pos < len(tokens):
+        while pos < whole:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None or self.is_tail(child):
                 return None
@@ -207,10 +209,15 @@ class RadixTree:
             if k == 0:
                 return None
             if k < len(child.pages):
+                if whole < len(tokens):
+                    return None  # a tail hangs off a node's end, not inside one
                 child = self._split(child, k)
             pos += k * ps
             node = child
-        return node
+        if whole == len(tokens):
+            return node
+        tail = node.children.get(self._page_key(tokens, whole))
+        return tail if tail is not None and self.is_tail(tail) else None
 
     def cached_pages(
         self, namespace: Hashable, tokens: Sequence[int], whole: bool = True
