@@ -114,13 +114,7 @@ class RadixPromptCache:
             match = self.tree.match_prefix(model_key, tokens[:-1])
         if self.recurrent:
             return self._fetch_hybrid(model_key, tokens, match)
-        self.tree.lock(match.node)
-        self.pool.allocator.incref(match.pages)
-        table = PageTable(
-            self.pool, match.pages, match.length, unlock=partial(self._unlock, match.node)
-        )
-        table.model_key, table.tokens, table.committed = model_key, tokens, match.length
-        table.prompt_committed = False
+        table = self._held_table(model_key, tokens, match.node, match.pages, match.length)
         n = match.length
         producer, shared = None, n
         if self.share_inflight:
@@ -173,12 +167,20 @@ class RadixPromptCache:
             node = node.parent
         snapshot = self.snapshots.get(node) if not node.is_root else None
         pages = match.pages[: n // self.pool.page_size]
+        table = self._held_table(model_key, tokens, node, pages, n)
+        return self._hybrid_caches(table, n, snapshot, match.length)
+
+    def _held_table(
+        self, model_key: Hashable, tokens: list[int], node: TreeNode, pages: list[int], n: int
+    ) -> PageTable:
+        """A request's table over the tree's ``pages`` (``n`` tokens, ending at ``node``),
+        holding a reference to each and a lock on ``node`` until it is released."""
         self.tree.lock(node)
         self.pool.allocator.incref(pages)
         table = PageTable(self.pool, pages, n, unlock=partial(self._unlock, node))
         table.model_key, table.tokens, table.committed = model_key, tokens, n
         table.prompt_committed = False
-        return self._hybrid_caches(table, n, snapshot, match.length)
+        return table
 
     def _resume_at_tail(
         self, model_key: Hashable, tokens: list[int], match: MatchResult
@@ -186,19 +188,13 @@ class RadixPromptCache:
         """A table holding the match and its tail page, the tokens it holds, and the tail's
         snapshot; (None, 0, None) where no page is free for a copy of the tail."""
         snapshot = self.snapshots.get(match.partial_node)  # before the tail may leave the tree
-        self.tree.lock(match.node)
-        self.pool.allocator.incref(match.pages)
-        table = PageTable(
-            self.pool, match.pages, match.length, unlock=partial(self._unlock, match.node)
-        )
-        table.model_key, table.tokens = model_key, tokens
-        table.prompt_committed = False
+        table = self._held_table(model_key, tokens, match.node, match.pages, match.length)
         try:
             n = self._continue_partial(table, match)
         except OutOfPages:
             table.release()
             return None, 0, None
-        table.committed, table.written = match.length, n
+        table.written = n
         return table, n, snapshot
 
     def _hybrid_caches(

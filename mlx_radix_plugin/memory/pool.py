@@ -284,6 +284,7 @@ class KVPool:
             i: len(c.cache) for i, c in enumerate(make_prompt_cache(model)) if layout[i] is None
         }
         row_bytes = recurrent_row_bytes(model) if state_sizes else 0
+        reserve = buffer_reserve_bytes(per_token, max_batch_size)
         plan = plan_memory(
             memory or device_memory(),
             model_bytes=model_nbytes(model),
@@ -291,7 +292,7 @@ class KVPool:
             kv_bytes_per_token=per_token,
             mem_fraction=mem_fraction,
             pool_tokens=pool_tokens or 0,
-            buffer_reserve=buffer_reserve_bytes(per_token, max_batch_size),
+            buffer_reserve=reserve,
         )
         page_bytes = per_token * page_size
         pages_bytes = plan.pool_bytes
@@ -308,7 +309,7 @@ class KVPool:
         pool.plan = plan
         # The plan's reserve for K/V outside the pool, which a prefill reading the pool holds
         # no buffers in: its temporaries' bound.
-        pool.prefill_working_bytes = buffer_reserve_bytes(per_token, max_batch_size)
+        pool.prefill_working_bytes = reserve
         pool.layout = layout
         pool.state_sizes = state_sizes
         pool.snapshot_budget = (snapshot_bytes or 0) if state_sizes else 0
