@@ -59,6 +59,7 @@ def test_random_model_tokenizer_is_byte_level_bpe_one_word_per_token(tmp_path):
 def test_random_shapes_carry_their_real_models_context(tmp_path):
     assert SHAPES["llama-3.2-1b"]["max_position_embeddings"] == 131072
     assert SHAPES["llama-3-8b"]["max_position_embeddings"] == 8192
+    assert SHAPES["llama-3.1-8b"]["max_position_embeddings"] == 131072
     with pytest.raises(ValueError, match=f"vocab_size 200: it must be above {FIRST_WORD}"):
         build("smollm2-135m", tmp_path, **{**TINY, "vocab_size": 200})
 
@@ -130,6 +131,11 @@ def test_smoke_preset_runs_both_servers_and_reports_every_field(tmp_path):
 
     sizes = {w.name: w for w in PRESETS["smoke"].workloads}
     a = report["acceptance"]
+    agent = report["workloads"]["agent"]
+    assert [t["turn"] for t in agent["by_turn"]] == list(range(1, sizes["agent"].turns + 1))
+    # Each turn's prompt holds the last one's prompt and reply: the pool serves all of it
+    # but the new tool result and the template's marks around it (16 + a few of ~300).
+    assert a["agent_cached_share_min_after_turn_1"]["radix"] >= 0.9
     assert len(a["decode_ratios_by_round"]) == sizes["decode"].rounds
     d, b = report["workloads"]["decode"], report["workloads"]["burst"]
     assert a["decode_tokens_per_s_ratio"] == round(median(a["decode_ratios_by_round"]), 3)

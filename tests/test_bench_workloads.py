@@ -15,6 +15,7 @@ from mlx_radix_plugin.tools.bench import workloads as bench_workloads
 from mlx_radix_plugin.tools.bench.servers import PeakRSS
 from mlx_radix_plugin.tools.bench.workloads import (
     PRESETS,
+    AgentSession,
     Burst,
     Decode,
     DecodeShared,
@@ -29,6 +30,7 @@ from mlx_radix_plugin.tools.bench.workloads import (
     eos_logit_bias,
     run_workload,
     single_token_words,
+    stock_form,
 )
 
 WORDS = [f"t{i}" for i in range(2, 200)]
@@ -144,6 +146,22 @@ def test_multi_turn_sends_history_with_the_servers_replies():
     assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
     assert [m["content"] for m in body["messages"][2::2]] == ["reply10", "reply11"]
     assert body["messages"][0] == sent[(0, 0)][1]["messages"][0]  # one system prompt
+
+
+def test_an_agent_session_sends_messages_with_tool_calls_and_stock_the_same_as_chat():
+    w = AgentSession(2, 3, 6, 4, 2)
+    sent = collect(w, reply=lambda key, body: f"reply{key[0]}{key[1]}")
+    assert len(sent) == 6
+    path, body = sent[(1, 2)]
+    assert path == "/v1/messages" and body["system"] == sent[(0, 0)][1]["system"]
+    assert [m["role"] for m in body["messages"]] == ["user"] + ["assistant", "user"] * 2
+    assert body["messages"][3]["content"][0]["text"] == "reply11"
+    assert body["messages"][4]["content"][0]["tool_use_id"] == "toolu_1_1"
+    path, chat = stock_form(path, body)
+    assert path == "/v1/chat/completions"
+    assert [m["role"] for m in chat["messages"]] == ["system", "user"] + ["assistant", "tool"] * 2
+    assert chat["messages"][4]["content"] == "reply11"
+    assert chat["max_tokens"] == body["max_tokens"] and chat["stream_options"]
 
 
 def test_decode_prompts_are_short_and_distinct():

@@ -233,11 +233,13 @@ def test_other_mlx_lm_is_refused_naming_the_pin_and_what_it_lacks(monkeypatch):
         mlx_lm_internals.check()
 
 
-def test_every_hook_is_documented_in_the_readme():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+def test_every_hook_is_documented_where_the_readme_points():
+    root = Path(__file__).parent.parent
+    assert "docs/design.md#the-hooks-server" in (root / "README.md").read_text()
+    design = (root / "docs" / "design.md").read_text()
     for name in SPECS:
         params = ", ".join(inspect.signature(getattr(hookspecs, name)).parameters)
-        assert f"`{name}({params})`" in readme, name
+        assert f"`{name}({params})`" in design, name
 
 
 def test_a_waiting_request_ends_the_decode_budget_after_one_step():
@@ -306,3 +308,17 @@ def test_a_failed_step_fails_its_batch_and_the_server_goes_on(model_dirs, tmp_pa
         log = server.output()
     assert log.count("a generation step failed") == 2
     assert "Exception occurred during processing of request" not in log  # no handler died
+
+
+def test_a_route_served_by_two_plugins_is_one_route_and_a_clash_is_refused():
+    from mlx_lm_hooks.routes import RouteResponse, RouteTable
+
+    def handler(request):
+        return RouteResponse(200, {})
+
+    table = RouteTable()
+    table.register("post", "/v1/messages", handler)
+    table.register("POST", "/v1/messages", handler)  # the agents plugin and radix, say
+    assert list(table) == [("POST", "/v1/messages")]
+    with pytest.raises(ValueError, match="already registered"):
+        table.register("POST", "/v1/messages", lambda request: RouteResponse(200, {}))

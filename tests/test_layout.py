@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlx_radix_plugin"
 # Each folder may import only from folders before it in this list (and itself).
-LAYERS = ["config", "memory", "cache", "engine", "server", "models", "tools", "cli"]
+LAYERS = ["config", "memory", "cache", "engine", "agents", "server", "models", "tools", "cli"]
 # Modules that must import without MLX or mlx-lm installed.
 PURE = [
     "mlx_radix_plugin.config",

@@ -164,19 +164,29 @@ HYBRID_ARCHS = ("qwen3_5", "nemotron_h", "lfm2")
 ARCHS = tuple(a for a in CONFIGS if a not in HYBRID_ARCHS)
 
 
-def build_tokenizer(path: Path) -> None:
+def build_tokenizer(
+    path: Path,
+    specials: list[str] = SPECIALS,
+    added: list[str] = (),
+    chat_template: str = CHAT_TEMPLATE,
+):
+    """A byte-level BPE trained on ``CORPUS``, with ``specials`` and then ``added`` (plain
+    tokens: their text is decoded as it is), written with its config to ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=SPECIALS,
+        vocab_size=VOCAB - len(added),
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
+    if added:
+        tok.add_tokens(list(added))
+    assert tok.get_vocab_size(with_added_tokens=True) <= VOCAB
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -187,10 +197,11 @@ def build_tokenizer(path: Path) -> None:
                 "pad_token": "<pad>",
                 "add_bos_token": False,
                 "model_max_length": 2048,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
             }
         )
     )
+    return tok
 
 
 def build_model(arch: str, path: Path, seed: int = 0, **config_overrides) -> Path:
@@ -213,4 +224,130 @@ def build_model(arch: str, path: Path, seed: int = 0, **config_overrides) -> Pat
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     (path / "config.json").write_text(json.dumps(config))
     build_tokenizer(path)
+    return path
+
+
+# A llama whose greedy output is scripted: it calls a tool after a user message and
+# answers after the tool's result, so tests can drive tool-calling round trips.
+TOOL_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+# Tokens all distinct (the next token depends on the current one only), spaces included.
+TOOL_ANSWER = "Warm, 21 C."
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+# One added token holds the whole call: no spaces, so the byte-level detokenizer maps each
+# character to itself.
+TOOL_CALL_TEXT = json.dumps(TOOL_CALL, separators=(",", ":"))
+# After a tool result the generation prompt ends with <|answer|>, not <|assistant|>.
+TOOL_SPECIALS = [*SPECIALS, "<|system|>", "<|tool|>", "<|answer|>"]
+# Added like Qwen2.5's (not special): mlx-lm finds the json_tools parser from the
+# template, and its state machine switches on their text.
+TOOL_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# Qwen2.5's template, in CHAT_TEMPLATE's style: tools in the system part, calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, results as <tool_response>.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|system|>' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.'"
+    " + '\\n\\nYou are provided with function signatures within <tools></tools> XML tags:'"
+    " + '\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name'"
+    " + ' and arguments within <tool_call></tool_call> XML tags.</s>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|assistant|>' + (message['content'] or '') }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{- \'<tool_call>{"name": "\' + tool_call.name + \'", "arguments": \' }}'
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '</s>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|tool|><tool_response>' + message['content'] + '</tool_response></s>' }}"
+    "{%- else %}"
+    "{{- '<|' + message['role'] + '|>' + message['content'] + '</s>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{%- if messages[-1]['role'] == 'tool' %}{{- '<|answer|>' }}"
+    "{%- else %}{{- '<|assistant|>' }}{%- endif %}"
+    "{%- endif %}"
+)
+# The logit of a scripted next token; every other logit stays within about +-1.
+SCRIPT_LOGIT = 80.0
+
+
+def build_tool_tokenizer(path: Path):
+    """The byte-level BPE of ``build_tokenizer`` with the tool tokens and template."""
+    added = [*TOOL_ADDED, TOOL_CALL_TEXT]
+    return build_tokenizer(path, TOOL_SPECIALS, added, TOOL_CHAT_TEMPLATE)
+
+
+def build_tool_model(path: Path, seed: int = 0) -> Path:
+    """Write a llama directory at ``path`` whose greedy output is scripted.
+
+    Attention and MLP outputs are zero, so the last hidden state is the current token's
+    embedding and the next token depends on the current token only. ``lm_head`` then
+    chains, greedily:
+
+    - ``<|assistant|>`` -> ``<tool_call>`` -> TOOL_CALL_TEXT -> ``</tool_call>`` -> ``</s>``
+    - ``<|answer|>`` (the prompt after a tool result) -> TOOL_ANSWER's tokens -> ``</s>``
+    """
+    from mlx_lm.utils import _get_classes
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tool_tokenizer(path)
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text).ids
+
+    answer = ids(TOOL_ANSWER)
+    chain = [
+        [ids("<|assistant|>")[0], *ids("<tool_call>"), *ids(TOOL_CALL_TEXT)]
+        + [*ids("</tool_call>"), tok.token_to_id("</s>")],
+        [ids("<|answer|>")[0], *answer, tok.token_to_id("</s>")],
+    ]
+    assert all(len(ids(t)) == 1 for t in (*TOOL_ADDED, TOOL_CALL_TEXT, "<|answer|>"))
+    sources = [t for c in chain for t in c[:-1]]
+    assert len(set(sources)) == len(sources), "a token would need two next tokens"
+
+    config = dict(CONFIGS["llama"], eos_token_id=SPECIALS.index("</s>"), torch_dtype="float32")
+    hidden = config["hidden_size"]
+    assert len(sources) <= hidden and tok.token_to_id("</s>") == config["eos_token_id"]
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    for k, v in weights.items():
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[k] = mx.zeros_like(v)
+    # Each source token's embedding is a basis vector of its own: after the final RMS norm
+    # it is sqrt(hidden) along that axis, and lm_head's column there picks the next token.
+    embed = weights["model.embed_tokens.weight"]
+    head = mx.random.normal(weights["lm_head.weight"].shape) * (0.1 / hidden**0.5)
+    basis = mx.eye(hidden)
+    for axis, (cur, nxt) in enumerate((c[i], c[i + 1]) for c in chain for i in range(len(c) - 1)):
+        embed[cur] = basis[axis]
+        head[nxt, axis] = SCRIPT_LOGIT / hidden**0.5
+    weights["model.embed_tokens.weight"] = embed
+    weights["lm_head.weight"] = head
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    index = {"weight_map": {name: "model.safetensors" for name in weights}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (path / "config.json").write_text(json.dumps(config))
     return path

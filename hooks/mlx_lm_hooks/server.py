@@ -385,21 +385,47 @@ def _handler_class():
             if method in ("POST", "DELETE"):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             try:
-                request = RouteRequest(method, url.path, url.query, body, self.client_address[0])
+                request = RouteRequest(
+                    method,
+                    url.path,
+                    url.query,
+                    body,
+                    self.client_address[0],
+                    generator=self.response_generator,
+                )
                 response = handler(request)
             except Exception:
                 log.exception("plugin route %s %s failed", method, url.path)
                 response = RouteResponse(500, {"error": "internal error in a plugin route"})
-            payload = response.payload()
             self.send_response(response.status)
             self.send_header("Content-Type", response.content_type)
-            self.send_header("Content-Length", str(len(payload)))
+            if response.stream is not None:
+                self.send_header("Cache-Control", "no-cache")
+            else:
+                payload = response.payload()
+                self.send_header("Content-Length", str(len(payload)))
             for k, v in response.headers.items():
                 self.send_header(k, v)
             self._set_cors_headers()
-            self.end_headers()
-            self.wfile.write(payload)
+            try:
+                self.end_headers()
+                if response.stream is None:
+                    self.wfile.write(payload)
+                    return True
+                self.close_connection = True
+                response.stream(self._write_flushed)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+                log.info("client %s hung up before its response ended", self.client_address[0])
+            except Exception:
+                # The status went out already: the stream just ends (the closed connection
+                # tells the client), and the log has what happened.
+                log.exception("plugin route %s %s failed mid-stream", method, url.path)
             return True
+
+        def _write_flushed(self, data: bytes) -> None:
+            self.wfile.write(data)
+            self.wfile.flush()
 
         def _set_completion_headers(self, status_code: int = 200):
             # Stock answers 404 to whatever stops a request before its first token; a

@@ -19,6 +19,25 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
+# Llama 3's layers and its RoPE scaling (Llama 3.1 and 3.2 scale by a factor of their own).
+LLAMA_3_8B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
+LLAMA_3_ROPE = dict(
+    rope_type="llama3",
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(
         model_type="llama",
@@ -42,26 +61,16 @@ SHAPES: dict[str, dict] = {
         vocab_size=128256,
         tie_word_embeddings=True,
         rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
+        rope_scaling=dict(LLAMA_3_ROPE, factor=32.0),
         max_position_embeddings=131072,
     ),
-    "llama-3-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        num_hidden_layers=32,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
+    "llama-3-8b": LLAMA_3_8B,
+    # Llama-3.1-8B: Llama-3-8B's layers with RoPE scaled to 131,072 tokens, for the long
+    # contexts agents send.
+    "llama-3.1-8b": dict(
+        LLAMA_3_8B,
+        rope_scaling=dict(LLAMA_3_ROPE, factor=8.0),
+        max_position_embeddings=131072,
     ),
     # Qwen3.5-0.8B's layers (its published config): 18 gated delta net layers and full
     # attention every 4th, 2 KV heads of 256. The vocabulary is SmolLM2's: the real 248,320

@@ -15,6 +15,7 @@ from typing import Any
 from mlx_lm_hooks.hookspecs import hookimpl
 from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 
+from ..agents import plugin as agents
 from ..cache.prompt_cache import idle_stats
 from ..config import Config, ConfigError, load_config
 from ..engine import fused_projections, warmup
@@ -189,6 +190,7 @@ class RadixPlugin:
         register("GET", "/metrics", self.metrics_route)
         register("POST", "/v1/cache/pin", self.pin_route)
         register("DELETE", "/v1/cache/pin", self.pin_route)
+        agents.register_routes(register)  # the agent APIs, over this pool
 
     def stats(self) -> dict:
         if self.cache is not None:

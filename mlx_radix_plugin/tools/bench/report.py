@@ -189,6 +189,34 @@ def compare_restart(runs: dict[str, list[Run]]) -> dict:
     }
 
 
+def compare_turns(runs: dict[str, list[Run]]) -> dict:
+    """Per turn of a workload whose replies are keyed (client, turn): each server's share
+    of prompt tokens served from its cache and median TTFT, and the least share of any turn
+    after the first (the acceptance figure of an agent session)."""
+    turns = sorted({key[1] for run in runs["radix"] for key in run.replies})
+    by_turn = []
+    for t in turns:
+        row: dict = {"turn": t + 1}
+        for server in SERVERS:
+            replies = [r for run in runs[server] for k, r in run.replies.items() if k[1] == t]
+            prompt = sum(r.usage["prompt_tokens"] for r in replies)
+            row[f"{server}_prompt_tokens"] = prompt
+            row[f"{server}_cached_share"] = _round(
+                sum(_cached(r.usage) for r in replies) / prompt if prompt else None, 4
+            )
+            row[f"{server}_ttft_s"] = _median([r.ttft_s for r in replies])
+        row["ttft_speedup"] = ratio(row["stock_ttft_s"], row["radix_ttft_s"])
+        by_turn.append(row)
+    later = by_turn[1:]
+    return {
+        "by_turn": by_turn,
+        "cached_share_min_after_turn_1": {
+            s: min((row[f"{s}_cached_share"] or 0 for row in later), default=None) for s in SERVERS
+        },
+        "ttft_speedup_median_by_turn": _median([row["ttft_speedup"] for row in by_turn]),
+    }
+
+
 def compare(workload: Workload, runs: dict[str, list[Run]]) -> dict:
     """Both servers' totals on ``workload``, their ratios, and whether outputs matched.
 
@@ -234,6 +262,8 @@ def compare(workload: Workload, runs: dict[str, list[Run]]) -> dict:
             out["decode_tokens_per_s_ratio_median"] = _median(
                 [rd["decode_tokens_per_s_ratio"] for rd in rounds]
             )
+    if workload.per_turn:
+        out.update(compare_turns(runs))
     if workload.poll_pool:
         radix_runs = runs["radix"]
         per_token = radix_runs[-1].pool_bytes_per_token
@@ -317,6 +347,13 @@ def acceptance(workloads: dict[str, dict]) -> dict:
             restart_recompute_s_per_1k_tokens=r["recompute_s_per_1k_tokens"],
             restart_restore_s_per_1k_tokens=r["restore_s_per_1k_tokens"],
             restart_restore_speedup_per_1k_tokens=r["restore_speedup_per_1k_tokens"],
+        )
+    if "agent" in workloads:
+        a = workloads["agent"]
+        out.update(
+            agent_turns=a["params"]["turns"],
+            agent_cached_share_min_after_turn_1=a["cached_share_min_after_turn_1"],
+            agent_ttft_speedup_median_by_turn=a["ttft_speedup_median_by_turn"],
         )
     if "memory" in workloads:
         m = workloads["memory"]

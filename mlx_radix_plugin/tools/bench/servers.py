@@ -42,11 +42,26 @@ def free_ports(n: int) -> int:
 
 def event_text(event: dict) -> str:
     """The text one streamed event carries: ``text`` of a completion, ``delta.content`` of a
-    chat completion."""
+    chat completion, a ``text_delta`` of the Messages API."""
+    if event.get("type") == "content_block_delta":
+        return event["delta"].get("text") or ""
     if not event.get("choices"):
         return ""
     choice = event["choices"][0]
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+def openai_usage(usage: dict) -> dict:
+    """A streamed response's usage in chat completions' terms (the Messages API counts
+    input tokens read from the cache apart from the rest)."""
+    if "input_tokens" not in usage:
+        return usage
+    cached = usage.get("cache_read_input_tokens") or 0
+    return {
+        "prompt_tokens": usage["input_tokens"] + cached,
+        "completion_tokens": usage["output_tokens"],
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 class ServerProcess:

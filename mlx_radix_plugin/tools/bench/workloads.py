@@ -26,7 +26,8 @@ from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
-from .servers import ServerProcess, event_text
+from ...agents import messages as agent_messages
+from .servers import ServerProcess, event_text, openai_usage
 
 Send = Callable[[Hashable, str, dict], str]
 Request = tuple[str, dict]  # (path, body)
@@ -111,6 +112,31 @@ class Sampling:
     def chat(self, messages: list[dict], max_tokens: int) -> Request:
         return "/v1/chat/completions", {"messages": messages, **self._common(max_tokens)}
 
+    def messages(self, system: str, messages: list[dict], max_tokens: int) -> Request:
+        """A Messages API request (``logit_bias`` is the plugin's extension of it)."""
+        body = {"model": "bench", "system": system, "messages": messages, "temperature": 0.0}
+        body["max_tokens"] = max_tokens
+        if self.logit_bias:
+            body["logit_bias"] = self.logit_bias
+        return "/v1/messages", body
+
+
+def stock_form(path: str, body: dict) -> Request:
+    """What stock mlx_lm.server, which has no Messages API, is sent in its place: the same
+    conversation through chat completions, as the plugin translates it."""
+    if path != "/v1/messages":
+        return path, body
+    conversation = agent_messages.conversation(body)
+    chat = {
+        "messages": conversation.messages,
+        "max_tokens": body["max_tokens"],
+        "temperature": body.get("temperature", 0.0),
+        "stream_options": {"include_usage": True},
+    }
+    if body.get("logit_bias"):
+        chat["logit_bias"] = body["logit_bias"]
+    return "/v1/chat/completions", chat
+
 
 def _pool(requests: list[tuple[Hashable, Request]], concurrency: int) -> list[Client]:
     """``concurrency`` clients taking the requests in order from one queue."""
@@ -139,6 +165,8 @@ class Workload(ABC):
     # Runs on fresh server processes that it stops and starts again (``run_workload``'s
     # ``restart``), not on the servers the other workloads share.
     restarts: ClassVar[bool] = False
+    # Replies keyed (client, turn): the report gives each turn's TTFT and cached share.
+    per_turn: ClassVar[bool] = False
 
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -285,6 +313,49 @@ class MultiTurn(Workload):
                 messages.append({"role": "assistant", "content": reply})
 
         return [partial(chat, c) for c in range(self.clients)]
+
+
+@dataclass(frozen=True)
+class AgentSession(Workload):
+    """A coding agent's sessions through the Messages API (Claude Code's): ``clients``
+    sessions on one system prompt of ``system_tokens`` (an agent's tool definitions), each
+    a task and ``turns`` turns; a turn is the model's reply, a tool call the client appends
+    to it, and the tool's result of ``result_tokens``. Stock, which has no Messages API,
+    gets the same conversations through its chat completions (``stock_form``)."""
+
+    clients: int
+    turns: int
+    system_tokens: int
+    result_tokens: int
+    output_tokens: int
+    name: ClassVar[str] = "agent"
+    per_turn: ClassVar[bool] = True
+
+    @property
+    def total_requests(self) -> int:
+        return self.clients * self.turns
+
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        system = p.text(self.system_tokens)
+        tasks = [p.text(self.result_tokens) for _ in range(self.clients)]
+        results = [
+            [p.text(self.result_tokens) for _ in range(self.turns)] for _ in range(self.clients)
+        ]
+
+        def session(c: int, send: Send) -> None:
+            messages: list[dict] = [{"role": "user", "content": tasks[c]}]
+            for t in range(self.turns):
+                reply = send((c, t), *s.messages(system, list(messages), self.output_tokens))
+                call = {"type": "tool_use", "id": f"toolu_{c}_{t}", "name": "run"}
+                call["input"] = {"step": t}
+                messages.append(
+                    {"role": "assistant", "content": [{"type": "text", "text": reply}, call]}
+                )
+                result = {"type": "tool_result", "tool_use_id": call["id"]}
+                result["content"] = results[c][t]
+                messages.append({"role": "user", "content": [result]})
+
+        return [partial(session, c) for c in range(self.clients)]
 
 
 @dataclass(frozen=True)
@@ -436,6 +507,7 @@ PRESETS: dict[str, Preset] = {
             DecodeShared(4, 64, 8, 16, rounds=2),
             Memory(8, 128, 8, 8),
             Restart(128, 8, 4),
+            AgentSession(1, 4, 256, 16, 8),
         ),
     ),
     "small": Preset(
@@ -448,6 +520,7 @@ PRESETS: dict[str, Preset] = {
             DecodeShared(8, 1024, 16, 64, rounds=3),
             Memory(8, 1024, 16, 16),
             Restart(2048, 16, 8, rounds=3),
+            AgentSession(1, 8, 1024, 32, 16),
         ),
     ),
     # DESIGN.md's baselines: shared prefix 4 x 8 of ~600 tokens, burst of 8 on a new
@@ -463,6 +536,9 @@ PRESETS: dict[str, Preset] = {
             DecodeShared(8, 2048, 16, 128, rounds=3),
             Memory(8, 1024, 16, 32),
             Restart(4096, 16, 8, rounds=3),
+            # Agents send 10k-30k tokens of tool definitions; the default model reads 8,192
+            # in all, so the system prompt is 5,000 and 20 turns fill most of the rest.
+            AgentSession(1, 20, 5000, 64, 24),
         ),
     ),
 }
@@ -524,6 +600,7 @@ def _request(server: ServerProcess, name: str, path: str, body: dict) -> Reply:
     usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
     if usage is None:
         raise RuntimeError(f"{name}: no usage in the streamed response of {path}")
+    usage = openai_usage(usage)
     first_at = first[0] if first else None
     ttft = None if first_at is None else first_at - start
     return Reply(text, usage, ttft, first_at, done)
@@ -544,6 +621,8 @@ def run_workload(
     replies: dict[Hashable, Reply] = {}
 
     def send(key: Hashable, path: str, body: dict) -> str:
+        if name == "stock":
+            path, body = stock_form(path, body)
         replies[key] = reply = _request(server, name, path, body)
         on_reply()
         return reply.text

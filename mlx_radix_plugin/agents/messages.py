@@ -1,0 +1,325 @@
+"""Anthropic's Messages API (``POST /v1/messages``), as Claude Code and the ``anthropic``
+SDK speak it, over the server's own generation (generation.py).
+
+A request becomes chat messages (``tool_use`` blocks become an assistant message's
+``tool_calls``, ``tool_result`` blocks ``tool`` messages) and the answer's events become
+content blocks; streamed, the event sequence of the API: ``message_start``, per block
+``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta`` with the stop reason
+and usage, ``message_stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+
+from . import generation as g
+
+STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "stop_sequence": "stop_sequence",
+}
+TOOL_CHOICES = ("auto", "any", "tool", "none")
+
+
+def error_body(error: g.ApiError) -> dict:
+    return {"type": "error", "error": {"type": error.kind, "message": str(error)}}
+
+
+def conversation(body: object) -> g.Conversation:
+    """The request in chat-completions form; ``ApiError`` names the first bad field."""
+    model = g.model_of(body)
+    sampling = g.Sampling(
+        max_tokens=g.integer(body, "max_tokens", 1, required=True),
+        temperature=g.number(body, "temperature", 0.0, 1.0),
+        top_p=g.number(body, "top_p", 0.0, 1.0),
+        top_k=g.integer(body, "top_k", 0),
+        stop=g.strings(body, "stop_sequences"),
+        logit_bias=g.logit_bias(body),
+    )
+    g.flag(body, "stream", False)
+    messages = []
+    if body.get("system") is not None:
+        system = g.text_of(body["system"], "system", ("text",))
+        messages.append({"role": "system", "content": system})
+    messages.extend(_messages(body.get("messages")))
+    tools = g.tool_list(body.get("tools"), _tool)
+    _tool_choice(body.get("tool_choice"), tools)
+    return g.Conversation(messages, tools, sampling, model, g.salt_of(body))
+
+
+def _messages(value: object) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise g.bad("messages", f"must be a non-empty list of messages, got {value!r}")
+    out: list[dict] = []
+    open_calls: set[str] = set()  # the previous assistant message's tool_use ids
+    for i, message in enumerate(value):
+        where = f"messages.{i}"
+        if not isinstance(message, dict):
+            raise g.bad(where, f"must be an object with 'role' and 'content', got {message!r}")
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise g.bad(f"{where}.role", f"must be 'user' or 'assistant', got {role!r}")
+        content = message.get("content")
+        if isinstance(content, str):
+            blocks = [{"type": "text", "text": content}]
+        elif isinstance(content, list) and content:
+            blocks = content
+        else:
+            raise g.bad(
+                f"{where}.content",
+                f"must be a string or a non-empty list of blocks, got {content!r}",
+            )
+        if role == "assistant":
+            out.append(_assistant(blocks, where))
+            open_calls = {c["id"] for c in out[-1].get("tool_calls", [])}
+        else:
+            out.extend(_user(blocks, where, open_calls))
+            open_calls = set()
+    if value[-1].get("role") != "user":
+        raise g.bad(
+            f"messages.{len(value) - 1}.role",
+            "the last message must be the user's (continuing an assistant message is not "
+            "supported)",
+        )
+    return out
+
+
+def _block_type(block: object, where: str) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if not isinstance(kind, str):
+        raise g.bad(where, f"must be a content block with a 'type', got {block!r}")
+    return kind
+
+
+def _assistant(blocks: list, where: str) -> dict:
+    text, calls, reasoning = [], [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content.{j}"
+        kind = _block_type(block, at)
+        if kind == "text":
+            text.append(g.block_text(block, at))
+        elif kind == "tool_use":
+            call_id = g.nonempty(block.get("id"), f"{at}.id")
+            name, arguments = g.nonempty(block.get("name"), f"{at}.name"), block.get("input")
+            if not isinstance(arguments, dict):
+                raise g.bad(f"{at}.input", f"must be an object, got {arguments!r}")
+            calls.append(
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+            )
+        elif kind == "thinking":
+            reasoning.append(block.get("thinking") or "")
+        elif kind == "redacted_thinking":
+            continue
+        else:
+            raise g.bad(
+                f"{at}.type",
+                f"an assistant message holds text, tool_use and thinking blocks, got {kind!r}",
+            )
+    message = {"role": "assistant", "content": "".join(text)}
+    if reasoning:
+        # Where templates read it (Qwen3's, DeepSeek's): an agent's turns after the last user
+        # message keep their reasoning there, so the prompt repeats what the model wrote and
+        # the cache serves it.
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _user(blocks: list, where: str, open_calls: set[str]) -> list[dict]:
+    results, text = [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content.{j}"
+        kind = _block_type(block, at)
+        if kind == "text":
+            text.append(g.block_text(block, at))
+        elif kind == "tool_result":
+            call_id = block.get("tool_use_id")
+            if call_id not in open_calls:
+                raise g.bad(
+                    f"{at}.tool_use_id",
+                    f"{call_id!r} answers no tool_use block of the previous assistant message"
+                    + (f" (its ids: {', '.join(sorted(open_calls))})" if open_calls else ""),
+                )
+            content = block.get("content", "")
+            output = g.text_of(content, f"{at}.content", ("text",))
+            if block.get("is_error") is True:
+                output = f"Error: {output}"
+            results.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        else:
+            raise g.bad(
+                f"{at}.type", f"a user message holds text and tool_result blocks, got {kind!r}"
+            )
+    out = results
+    if text:
+        out = out + [{"role": "user", "content": "".join(text)}]
+    return out
+
+
+def _tool(tool: dict, at: str) -> dict:
+    if tool.get("type") not in (None, "custom"):
+        raise g.bad(
+            f"{at}.type",
+            f"only client tools (name, description, input_schema) are served, got "
+            f"{tool.get('type')!r}",
+        )
+    return g.function_tool(tool, at, "input_schema")
+
+
+def _tool_choice(value: object, tools: list[dict] | None) -> None:
+    """Checked, then left to the model: without constrained decoding, "any" and "tool" are
+    no stronger than "auto" (README says so)."""
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in TOOL_CHOICES:
+        raise g.bad("tool_choice.type", f"must be one of {', '.join(TOOL_CHOICES)}, got {value!r}")
+    if kind == "tool":
+        g.named_tool(value.get("name"), tools, "tool_choice.name")
+
+
+# --- the answer -------------------------------------------------------------------------
+
+
+def _usage(turn: g.Turn, output_tokens: int) -> dict:
+    # Anthropic counts input tokens read from the cache apart from the rest.
+    return {
+        "input_tokens": turn.prompt_tokens - turn.cached_tokens,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": turn.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _message(model: str, content: list, turn: g.Turn) -> dict:
+    return {
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": _usage(turn, 0),
+    }
+
+
+def _tool_use(call: g.ToolCall) -> dict:
+    return {
+        "type": "tool_use",
+        "id": call.id or f"toolu_{uuid.uuid4().hex[:24]}",
+        "name": call.name,
+        "input": call.arguments,
+    }
+
+
+def answer(turn: g.Turn, conversation: g.Conversation) -> dict:
+    """The whole answer, as one message."""
+    message = _message(conversation.model, [], turn)
+    content = message["content"]
+    try:
+        for event in turn.events():
+            if isinstance(event, g.Finish):
+                message["stop_reason"] = STOP_REASONS[event.reason]
+                message["stop_sequence"] = event.stop_sequence
+                message["usage"] = _usage(turn, event.output_tokens)
+            elif isinstance(event, g.ToolCall):
+                content.append(_tool_use(event))
+            else:
+                kind, key = (
+                    ("text", "text") if isinstance(event, g.Text) else ("thinking", "thinking")
+                )
+                if not content or content[-1]["type"] != kind:
+                    block = {"type": kind, key: ""}
+                    if kind == "thinking":
+                        block["signature"] = ""
+                    content.append(block)
+                content[-1][key] += event.text
+    finally:
+        turn.close()
+    return message
+
+
+def _sse(event: str, data: dict) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def error_event(error: g.ApiError) -> bytes:
+    return _sse("error", error_body(error))
+
+
+def stream(turn: g.Turn, conversation: g.Conversation, write: Callable[[bytes], None]) -> None:
+    """The answer as the API's event stream."""
+    index = -1
+    open_kind = None  # the type of the block being streamed: "text", "thinking" or None
+
+    def close_block() -> None:
+        nonlocal open_kind
+        if open_kind is not None:
+            write(_sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+            open_kind = None
+
+    def open_block(block: dict) -> None:
+        nonlocal index, open_kind
+        close_block()
+        index += 1
+        open_kind = block["type"]
+        write(
+            _sse(
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": block},
+            )
+        )
+
+    def delta(payload: dict) -> None:
+        write(
+            _sse(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": payload},
+            )
+        )
+
+    try:
+        message = _message(conversation.model, [], turn)
+        write(_sse("message_start", {"type": "message_start", "message": message}))
+        for event in turn.events():
+            if isinstance(event, g.Text):
+                if open_kind != "text":
+                    open_block({"type": "text", "text": ""})
+                delta({"type": "text_delta", "text": event.text})
+            elif isinstance(event, g.Reasoning):
+                if open_kind != "thinking":
+                    open_block({"type": "thinking", "thinking": "", "signature": ""})
+                delta({"type": "thinking_delta", "thinking": event.text})
+            elif isinstance(event, g.ToolCall):
+                block = _tool_use(event)
+                arguments = block["input"]
+                open_block(dict(block, input={}))
+                delta(
+                    {
+                        "type": "input_json_delta",
+                        "partial_json": json.dumps(arguments, ensure_ascii=False),
+                    }
+                )
+                close_block()
+            else:
+                close_block()
+                stop = {
+                    "stop_reason": STOP_REASONS[event.reason],
+                    "stop_sequence": event.stop_sequence,
+                }
+                usage = _usage(turn, event.output_tokens)
+                write(
+                    _sse("message_delta", {"type": "message_delta", "delta": stop, "usage": usage})
+                )
+                write(_sse("message_stop", {"type": "message_stop"}))
+    finally:
+        turn.close()

@@ -1,0 +1,89 @@
+"""The ``agents`` plugin: ``POST /v1/messages`` and ``POST /v1/responses``.
+
+``--plugin agents`` serves them over stock's prompt cache; ``--plugin radix`` serves them
+too (over the radix pool), and naming both is the same as naming radix. The handlers are
+module functions, so the two plugins register the very same ones (a no-op the second time).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from mlx_lm_hooks.hookspecs import hookimpl
+from mlx_lm_hooks.routes import RouteRequest, RouteResponse
+from mlx_lm_hooks.server import GenerationFailed
+
+from . import generation as g
+from . import messages, responses
+
+log = logging.getLogger("mlx_radix_plugin.agents")
+
+
+def _body(request: RouteRequest) -> object:
+    try:
+        return json.loads(request.body or b"null")
+    except ValueError as e:  # also bad UTF-8
+        raise g.ApiError(400, f"the request body is no JSON: {e}", "body") from e
+
+
+def _serve(request: RouteRequest, api) -> RouteResponse:
+    """Parse, start, answer: ``api`` is the messages or responses module."""
+    try:
+        body = _body(request)
+        conversation = api.conversation(body)
+        streamed = body.get("stream") is True
+        turn = g.start(request.generator, conversation)
+    except g.ApiError as e:
+        return RouteResponse(e.status, api.error_body(e))
+    except Exception as e:  # the client gets the API's error shape, the log the traceback
+        log.exception("%s failed", request.path)
+        error = g.ApiError(500, f"internal error: {type(e).__name__}: {e}")
+        return RouteResponse(500, api.error_body(error))
+    if streamed:
+
+        def stream(write) -> None:
+            try:
+                api.stream(turn, conversation, write)
+            except (BrokenPipeError, ConnectionResetError):
+                raise  # the client hung up: the host logs it
+            except Exception as e:
+                log.exception("%s failed mid-stream", request.path)
+                write(api.error_event(_failure(e)))
+
+        return RouteResponse(200, content_type="text/event-stream", stream=stream)
+    try:
+        return RouteResponse(200, api.answer(turn, conversation))
+    except Exception as e:
+        log.exception("%s failed", request.path)
+        error = _failure(e)
+        return RouteResponse(error.status, api.error_body(error))
+
+
+def _failure(error: Exception) -> g.ApiError:
+    """What a client hears of a request that failed after it started."""
+    if isinstance(error, GenerationFailed):
+        return g.ApiError(503, str(error))
+    return g.ApiError(500, f"internal error: {type(error).__name__}: {error}")
+
+
+def messages_route(request: RouteRequest) -> RouteResponse:
+    return _serve(request, messages)
+
+
+def responses_route(request: RouteRequest) -> RouteResponse:
+    return _serve(request, responses)
+
+
+def register_routes(register) -> None:
+    register("POST", "/v1/messages", messages_route)
+    register("POST", "/v1/responses", responses_route)
+
+
+class AgentsPlugin:
+    @hookimpl
+    def mlx_lm_register_routes(self, register):
+        register_routes(register)
+
+
+plugin = AgentsPlugin()

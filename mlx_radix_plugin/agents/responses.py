@@ -1,0 +1,444 @@
+"""OpenAI's Responses API (``POST /v1/responses``), as Codex and the ``openai`` SDK speak it,
+over the server's own generation (generation.py).
+
+``input`` items become chat messages (``function_call`` items an assistant message's
+``tool_calls``, ``function_call_output`` items ``tool`` messages); the answer's events become
+output items (``reasoning``, ``message``, ``function_call``); streamed, the API's typed
+events, numbered. ``previous_response_id`` continues a conversation this server answered:
+responses are remembered in memory (``REMEMBERED``, the oldest forgotten first).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+
+from . import generation as g
+
+# Conversations kept for previous_response_id: each holds its messages (a reference to the
+# previous one's list plus this turn), so memory grows with the conversations' text only.
+REMEMBERED = 1024
+TOOL_CHOICES = ("auto", "none", "required")
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class _Remembered:
+    """Each stored response's conversation: its input messages and its output's message."""
+
+    def __init__(self, size: int):
+        self._size = size
+        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+        self._lock = threading.Lock()  # handler threads answer concurrently
+
+    def put(self, response_id: str, messages: list[dict]) -> None:
+        with self._lock:
+            self._items[response_id] = messages
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> list[dict] | None:
+        with self._lock:
+            return self._items.get(response_id)
+
+
+remembered = _Remembered(REMEMBERED)
+
+
+class Conversation(g.Conversation):
+    """A Responses request: also what to remember and echo back."""
+
+    def __init__(self, body: dict, messages: list[dict], history: list[dict], **kwargs):
+        super().__init__(messages=messages, **kwargs)
+        self.body = body
+        self.history = history  # the messages without instructions (those are not carried)
+
+
+def error_body(error: g.ApiError) -> dict:
+    return {
+        "error": {"message": str(error), "type": error.kind, "param": error.param, "code": None}
+    }
+
+
+def conversation(body: object) -> Conversation:
+    model = g.model_of(body)
+    sampling = g.Sampling(
+        max_tokens=g.integer(body, "max_output_tokens", 1),
+        temperature=g.number(body, "temperature", 0.0, 2.0),
+        top_p=g.number(body, "top_p", 0.0, 1.0),
+        logit_bias=g.logit_bias(body),
+    )
+    g.flag(body, "stream", False)
+    g.flag(body, "store", True)
+    history: list[dict] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        history = remembered.get(previous) if isinstance(previous, str) else None
+        if history is None:
+            raise g.bad(
+                "previous_response_id",
+                f"no response {previous!r} is remembered by this server (it keeps the last "
+                f"{REMEMBERED}, in memory, those sent with store: true)",
+            )
+    history = history + _input(body.get("input"), _calls_in(history))
+    messages = list(history)
+    if body.get("instructions") is not None:
+        instructions = g.text_of(body["instructions"], "instructions", TEXT_PARTS)
+        messages.insert(0, {"role": "system", "content": instructions})
+    tools = g.tool_list(body.get("tools"), _tool)
+    _tool_choice(body.get("tool_choice"), tools)
+    return Conversation(
+        body,
+        messages,
+        history,
+        tools=tools,
+        sampling=sampling,
+        model=model,
+        salt=g.salt_of(body),
+    )
+
+
+def _calls_in(messages: list[dict]) -> set[str]:
+    return {c["id"] for m in messages for c in m.get("tool_calls", ())}
+
+
+def _input(value: object, calls: set[str]) -> list[dict]:
+    if isinstance(value, str):
+        if not value:
+            raise g.bad("input", "must not be empty")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise g.bad("input", f"must be a string or a non-empty list of items, got {value!r}")
+    out: list[dict] = []
+    reasoning: list[str] = []  # a reasoning item's text, for the assistant message after it
+    for i, item in enumerate(value):
+        at = f"input.{i}"
+        if not isinstance(item, dict):
+            raise g.bad(at, f"must be an object, got {item!r}")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise g.bad(f"{at}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+            text = g.text_of(item.get("content"), f"{at}.content", TEXT_PARTS)
+            out.append({"role": ROLES[role], "content": text})
+            if role == "assistant" and reasoning:
+                out[-1]["reasoning_content"] = "".join(reasoning)
+            reasoning = []
+        elif kind == "function_call":
+            call_id = g.nonempty(item.get("call_id"), f"{at}.call_id")
+            name, arguments = g.nonempty(item.get("name"), f"{at}.name"), item.get("arguments")
+            try:
+                parsed = json.loads(arguments) if isinstance(arguments, str) else None
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise g.bad(
+                    f"{at}.arguments", f"must be a JSON object in a string, got {arguments!r}"
+                )
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": parsed},
+            }
+            # Calls made in one turn are one assistant message, after its text if it had any.
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if reasoning:
+                    out[-1]["reasoning_content"] = "".join(reasoning)
+            reasoning = []
+            calls.add(call_id)
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if call_id not in calls:
+                raise g.bad(f"{at}.call_id", f"{call_id!r} answers no function_call before it")
+            output = g.text_of(item.get("output"), f"{at}.output", TEXT_PARTS)
+            out.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            # Kept for the assistant message that follows, as ``reasoning_content``: see
+            # messages.py (templates that read it repeat what the model wrote).
+            parts = item.get("content") or []
+            reasoning += [
+                p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+            ]
+        else:
+            raise g.bad(
+                f"{at}.type",
+                f"must be message, function_call, function_call_output or reasoning, got {kind!r}",
+            )
+    return out
+
+
+def _tool(tool: dict, at: str) -> dict:
+    if tool.get("type") != "function":
+        raise g.bad(f"{at}.type", f"only function tools are served, got {tool.get('type')!r}")
+    return g.function_tool(tool, at, "parameters", {"type": "object"})
+
+
+def _tool_choice(value: object, tools: list[dict] | None) -> None:
+    """Checked, then left to the model: without constrained decoding, "required" and a named
+    function are no stronger than "auto" (README says so)."""
+    if value is None or value in TOOL_CHOICES:
+        return
+    if isinstance(value, dict) and value.get("type") == "function":
+        g.named_tool(value.get("name"), tools, "tool_choice.name")
+        return
+    raise g.bad(
+        "tool_choice", f"must be one of {', '.join(TOOL_CHOICES)} or a function, got {value!r}"
+    )
+
+
+# --- the answer -------------------------------------------------------------------------
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+class _Output:
+    """The response object, built as events arrive."""
+
+    def __init__(self, conversation: Conversation, turn: g.Turn):
+        body = conversation.body
+        self.conversation = conversation
+        self.turn = turn
+        self.response = {
+            "id": _new_id("resp"),
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "in_progress",
+            "model": conversation.model,
+            "output": [],
+            "error": None,
+            "incomplete_details": None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": body.get("metadata") or {},
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"),
+            "store": body.get("store", True),
+            "temperature": body.get("temperature", 1.0),
+            "text": {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "top_p": body.get("top_p", 1.0),
+            "truncation": "disabled",
+            "usage": None,
+        }
+
+    @property
+    def items(self) -> list[dict]:
+        return self.response["output"]
+
+    def finish(self, event: g.Finish) -> None:
+        r = self.response
+        for item in self.items:
+            item["status"] = "completed"
+        if event.reason == "length":
+            r["status"] = "incomplete"
+            r["incomplete_details"] = {"reason": "max_output_tokens"}
+        else:
+            r["status"] = "completed"
+        r["usage"] = {
+            "input_tokens": event.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": event.cached_tokens},
+            "output_tokens": event.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": event.prompt_tokens + event.output_tokens,
+        }
+        if r["store"] is not False:
+            remembered.put(r["id"], self.conversation.history + [self._as_message()])
+
+    def _as_message(self) -> dict:
+        """This response as the assistant message a next turn's template renders."""
+        text = "".join(
+            part["text"]
+            for item in self.items
+            if item["type"] == "message"
+            for part in item["content"]
+        )
+        message = {"role": "assistant", "content": text}
+        thought = "".join(
+            part["text"]
+            for item in self.items
+            if item["type"] == "reasoning"
+            for part in item["content"]
+        )
+        if thought:
+            message["reasoning_content"] = thought
+        calls = [
+            {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": json.loads(item["arguments"])},
+            }
+            for item in self.items
+            if item["type"] == "function_call"
+        ]
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+
+def _message_item() -> dict:
+    return {
+        "type": "message",
+        "id": _new_id("msg"),
+        "status": "in_progress",
+        "role": "assistant",
+        "content": [],
+    }
+
+
+def _reasoning_item() -> dict:
+    return {
+        "type": "reasoning",
+        "id": _new_id("rs"),
+        "status": "in_progress",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": ""}],
+    }
+
+
+def _call_item(call: g.ToolCall) -> dict:
+    return {
+        "type": "function_call",
+        "id": _new_id("fc"),
+        "call_id": call.id or _new_id("call"),
+        "name": call.name,
+        "arguments": json.dumps(call.arguments, ensure_ascii=False),
+        "status": "in_progress",
+    }
+
+
+def answer(turn: g.Turn, conversation: Conversation) -> dict:
+    out = _Output(conversation, turn)
+    try:
+        for event in turn.events():
+            if isinstance(event, g.Finish):
+                out.finish(event)
+            elif isinstance(event, g.ToolCall):
+                out.items.append(_call_item(event))
+            elif isinstance(event, g.Reasoning):
+                if not out.items or out.items[-1]["type"] != "reasoning":
+                    out.items.append(_reasoning_item())
+                out.items[-1]["content"][0]["text"] += event.text
+            else:
+                if not out.items or out.items[-1]["type"] != "message":
+                    item = _message_item()
+                    item["content"].append({"type": "output_text", "text": "", "annotations": []})
+                    out.items.append(item)
+                out.items[-1]["content"][0]["text"] += event.text
+    finally:
+        turn.close()
+    return out.response
+
+
+class _Events:
+    """The API's event stream: typed events, numbered from 0."""
+
+    def __init__(self, write: Callable[[bytes], None]):
+        self._write = write
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields) -> None:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        self._write(f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
+
+
+def error_event(error: g.ApiError) -> bytes:
+    # Sent where a stream breaks off, its number unknown here: the SDK does not check it.
+    data = {"type": "error", "code": error.kind, "message": str(error), "param": error.param}
+    data["sequence_number"] = 0
+    return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def stream(turn: g.Turn, conversation: Conversation, write: Callable[[bytes], None]) -> None:
+    out = _Output(conversation, turn)
+    send = _Events(write)
+    open_item: dict | None = None  # the message or reasoning item being streamed
+
+    def snapshot(item: dict) -> dict:
+        return json.loads(json.dumps(item))
+
+    def close_item() -> None:
+        nonlocal open_item
+        item, open_item = open_item, None
+        if item is None:
+            return
+        index = out.items.index(item)
+        item["status"] = "completed"
+        part = item["content"][0]
+        if item["type"] == "message":
+            ids = dict(item_id=item["id"], output_index=index, content_index=0)
+            send("response.output_text.done", **ids, text=part["text"], logprobs=[])
+            send("response.content_part.done", **ids, part=snapshot(part))
+        else:
+            ids = dict(item_id=item["id"], output_index=index, content_index=0)
+            send("response.reasoning_text.done", **ids, text=part["text"])
+        send("response.output_item.done", output_index=index, item=snapshot(item))
+
+    def open_(item: dict) -> int:
+        nonlocal open_item
+        close_item()
+        out.items.append(item)
+        index = len(out.items) - 1
+        send("response.output_item.added", output_index=index, item=snapshot(item))
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": []}
+            item["content"].append(part)
+            send(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=snapshot(part),
+            )
+        open_item = item if item["type"] in ("message", "reasoning") else None
+        return index
+
+    try:
+        send("response.created", response=snapshot(out.response))
+        send("response.in_progress", response=snapshot(out.response))
+        for event in turn.events():
+            if isinstance(event, (g.Text, g.Reasoning)):
+                kind = "message" if isinstance(event, g.Text) else "reasoning"
+                if open_item is None or open_item["type"] != kind:
+                    open_(_message_item() if kind == "message" else _reasoning_item())
+                open_item["content"][0]["text"] += event.text
+                name = "output_text" if kind == "message" else "reasoning_text"
+                extra = {"logprobs": []} if kind == "message" else {}
+                send(
+                    f"response.{name}.delta",
+                    item_id=open_item["id"],
+                    output_index=len(out.items) - 1,
+                    content_index=0,
+                    delta=event.text,
+                    **extra,
+                )
+            elif isinstance(event, g.ToolCall):
+                item = _call_item(event)
+                arguments = item["arguments"]
+                index = open_(dict(item, arguments=""))
+                item = out.items[index]
+                item["arguments"] = arguments
+                ids = dict(item_id=item["id"], output_index=index)
+                send("response.function_call_arguments.delta", **ids, delta=arguments)
+                send("response.function_call_arguments.done", **ids, arguments=arguments)
+                item["status"] = "completed"
+                send("response.output_item.done", output_index=index, item=snapshot(item))
+            else:
+                close_item()
+                out.finish(event)
+                kind = "completed" if out.response["status"] == "completed" else "incomplete"
+                send(f"response.{kind}", response=snapshot(out.response))
+    finally:
+        turn.close()
