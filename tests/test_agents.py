@@ -124,6 +124,15 @@ def test_responses_tool_round_trip_with_the_openai_sdk(server, streamed):
     assert kept.usage.input_tokens == sent.usage.input_tokens  # instructions are not carried
 
 
+def test_count_tokens_counts_what_the_messages_route_prefills(server):
+    client = anthropic_client(server)
+    messages = [{"role": "user", "content": QUESTION}]
+    counted = client.messages.count_tokens(model="m", messages=messages, tools=[WEATHER])
+    answer = client.messages.create(model="m", max_tokens=8, messages=messages, tools=[WEATHER])
+    usage = answer.usage
+    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens
+
+
 def test_errors_come_in_each_api_shape_and_the_server_goes_on(server):
     with pytest.raises(anthropic.BadRequestError) as e:
         anthropic_client(server).messages.create(

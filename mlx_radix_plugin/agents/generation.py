@@ -27,6 +27,12 @@ log = logging.getLogger("mlx_radix_plugin.agents")
 STOP_TAIL_TOKENS = 32
 
 
+NO_TOOL_CALLING = (
+    "tools: this model has no tool calling (its chat template and tokenizer name no "
+    "tool-call format mlx-lm parses); send the request without tools"
+)
+
+
 class ApiError(Exception):
     """A request the API answers with an error of its own shape; ``param`` names the field."""
 
@@ -345,6 +351,23 @@ class Turn:
         return max(found)[1] if found else None
 
 
+def render(generator, conversation: Conversation) -> list[int]:
+    """The prompt's tokens, rendered as the generation thread renders it (stock's
+    ``_tokenize``: the chat template with the server's ``--chat-template-args``)."""
+    tokenizer = generator.model_provider.tokenizer
+    if tokenizer is None:
+        raise ApiError(503, "no model is loaded yet: send a message first, then count")
+    if conversation.tools and not tokenizer.has_tool_calling:
+        raise ApiError(400, NO_TOOL_CALLING, "tools")
+    return tokenizer.apply_chat_template(
+        conversation.messages,
+        tools=conversation.tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        **generator.cli_args.chat_template_args,
+    )
+
+
 def start(generator, conversation: Conversation) -> Turn:
     """Hand ``conversation`` to the generation thread; returns once it is tokenized (and its
     cache found), or raises ``ApiError`` with what the client should hear."""
@@ -403,10 +426,5 @@ def start(generator, conversation: Conversation) -> Turn:
     turn = Turn(ctx, responses, conversation, generator.model_provider.tokenizer)
     if conversation.tools and not ctx.has_tool_calling:
         turn.close()
-        raise ApiError(
-            400,
-            "tools: this model has no tool calling (its chat template and tokenizer name no "
-            "tool-call format mlx-lm parses); send the request without tools",
-            "tools",
-        )
+        raise ApiError(400, NO_TOOL_CALLING, "tools")
     return turn

@@ -29,11 +29,12 @@ def error_body(error: g.ApiError) -> dict:
     return {"type": "error", "error": {"type": error.kind, "message": str(error)}}
 
 
-def conversation(body: object) -> g.Conversation:
-    """The request in chat-completions form; ``ApiError`` names the first bad field."""
+def conversation(body: object, counting: bool = False) -> g.Conversation:
+    """The request in chat-completions form; ``ApiError`` names the first bad field.
+    ``counting``: a ``count_tokens`` body, which has no ``max_tokens``."""
     model = g.model_of(body)
     sampling = g.Sampling(
-        max_tokens=g.integer(body, "max_tokens", 1, required=True),
+        max_tokens=g.integer(body, "max_tokens", 1, required=not counting),
         temperature=g.number(body, "temperature", 0.0, 1.0),
         top_p=g.number(body, "top_p", 0.0, 1.0),
         top_k=g.integer(body, "top_k", 0),
@@ -184,6 +185,12 @@ def _tool_choice(value: object, tools: list[dict] | None) -> None:
         raise g.bad("tool_choice.type", f"must be one of {', '.join(TOOL_CHOICES)}, got {value!r}")
     if kind == "tool":
         g.named_tool(value.get("name"), tools, "tool_choice.name")
+
+
+def count_tokens(conversation: g.Conversation, generator) -> dict:
+    """``POST /v1/messages/count_tokens``: the prompt's tokens as this model's chat template
+    renders it (Claude Code asks every turn, to manage its context window)."""
+    return {"input_tokens": len(g.render(generator, conversation))}
 
 
 # --- the answer -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The ``agents`` plugin: ``POST /v1/messages`` and ``POST /v1/responses``.
+"""The ``agents`` plugin: ``POST /v1/messages`` (and its ``count_tokens``) and
+``POST /v1/responses``.
 
 ``--plugin agents`` serves them over stock's prompt cache; ``--plugin radix`` serves them
 too (over the radix pool), and naming both is the same as naming radix. The handlers are
@@ -67,6 +68,14 @@ def _failure(error: Exception) -> g.ApiError:
     return g.ApiError(500, f"internal error: {type(error).__name__}: {error}")
 
 
+def count_tokens_route(request: RouteRequest) -> RouteResponse:
+    try:
+        conversation = messages.conversation(_body(request), counting=True)
+        return RouteResponse(200, messages.count_tokens(conversation, request.generator))
+    except g.ApiError as e:
+        return RouteResponse(e.status, messages.error_body(e))
+
+
 def messages_route(request: RouteRequest) -> RouteResponse:
     return _serve(request, messages)
 
@@ -77,6 +86,7 @@ def responses_route(request: RouteRequest) -> RouteResponse:
 
 def register_routes(register) -> None:
     register("POST", "/v1/messages", messages_route)
+    register("POST", "/v1/messages/count_tokens", count_tokens_route)
     register("POST", "/v1/responses", responses_route)
 
 
