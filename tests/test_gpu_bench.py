@@ -153,6 +153,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert agent["radix"]["prompt_tokens_computed"] < agent["radix"]["prompt_tokens"] / 2
     for name in ("stock", "radix"):  # each alone, every request served
         assert (agent[name]["requests_served"], agent[name]["requests_failed"]) == (6, 0)
+    assert agent["radix"]["buffer_bytes_peak"] >= 0 and agent["radix"]["mlx_peak_bytes"] > 0
     plan = agent["radix"]["memory_plan"]
     assert plan["model_bytes"] > 0 and agent["radix"]["pool_bytes_total"] <= plan["pool_max_bytes"]
     assert agent["wall_speedup"] == round(agent["stock"]["wall_s"] / agent["radix"]["wall_s"], 3)

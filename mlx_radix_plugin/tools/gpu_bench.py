@@ -415,6 +415,8 @@ class _StatsPoller(threading.Thread):
         super().__init__(daemon=True)
         self.server = server
         self.kv_bytes_peak = 0
+        self.buffer_bytes_peak = 0  # K/V outside the pool: the batches' buffers
+        self.cache_bytes_peak = 0  # MLX's cache of freed buffers
         self.paths: set[str] = set()
         self.groups = 0
         self._stop_event = threading.Event()
@@ -427,6 +429,8 @@ class _StatsPoller(threading.Thread):
             page = s["pool_bytes_total"] // max(1, s["pages_total"])
             held = s["pages_locked"] * page + s.get("buffer_bytes", 0)
             self.kv_bytes_peak = max(self.kv_bytes_peak, held)
+            self.buffer_bytes_peak = max(self.buffer_bytes_peak, s.get("buffer_bytes", 0))
+            self.cache_bytes_peak = max(self.cache_bytes_peak, s.get("mlx_cache_bytes", 0))
             if s.get("decode_path"):
                 self.paths.add(s["decode_path"])
             self.groups = max(self.groups, s.get("decode_groups", 0))
@@ -436,6 +440,8 @@ class _StatsPoller(threading.Thread):
         self.join()
         return {
             "kv_bytes_held_peak": self.kv_bytes_peak,
+            "buffer_bytes_peak": self.buffer_bytes_peak,
+            "mlx_cache_bytes_peak": self.cache_bytes_peak,
             "decode_paths": sorted(self.paths),
             "decode_groups_max": self.groups,
         }
@@ -628,13 +634,18 @@ def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
         run = None
         try:
             with started(name, model_dir, work, args) as server:
+                poller = _StatsPoller(server) if name == "radix" else None
+                if poller:
+                    poller.start()
                 with py_spy(server, _spy_path(args, f"{name}-agent")):
                     run = _agent_session(server, args, rng_seed)
-                if name == "radix":
+                if poller:
+                    # What the plugin held outside the model and the pool, at its peaks.
+                    extra.update(poller.stop())
                     s = server.stats()
                     extra["memory_plan"] = s["memory_plan"]
                     extra["pool_bytes_total"] = s["pool_bytes_total"]
-                    extra["mlx_peak_memory_bytes"] = s.get("mlx_peak_memory_bytes")
+                    extra["mlx_peak_bytes"] = s["mlx_peak_bytes"]
         except Exception as e:  # noqa: BLE001 - the server's failure is the result
             extra["server_failed"] = f"{type(e).__name__}: {e}"[:300]
         extra["device_memory_peak_bytes"] = device.stop()
@@ -874,6 +885,14 @@ def markdown(report: dict) -> str:
             if None not in peaks:
                 stock, radix = (f"{p / 1e9:.1f} GB" for p in peaks)
                 row(name, f"{loop}: device memory peak", stock, radix)
+            r = a["radix"]
+            if "buffer_bytes_peak" in r:
+                held = (
+                    f"pool {r['pool_bytes_total'] / 1e9:.1f} GB; at peaks, buffers "
+                    f"{r['buffer_bytes_peak'] / 1e9:.1f} GB, MLX's cache "
+                    f"{r['mlx_cache_bytes_peak'] / 1e9:.1f} GB"
+                )
+                row(name, f"{loop}: the plugin's K/V and caches", "", held)
         if "floor" in s:
             f = s["floor"]
             if "in_process_over_floor" in f:
