@@ -263,3 +263,41 @@ def test_a_request_joining_a_prompt_batch_the_pool_cannot_hold_takes_its_buffer(
     gen.close()
     assert kinds == {False}
     assert [out[u] for u in uids] == stock
+
+
+def test_a_pass_whose_scores_would_pass_the_working_set_takes_fewer_queries(loaded, monkeypatch):
+    """``_bound`` evaluates the layers before one, but one layer's scores grow with the pass's
+    queries: where they alone would pass the pool's working set, the pass takes fewer queries
+    (``query_step``, down to ``MIN_QUERY_STEP``). Same tokens, logits within the tolerance."""
+    from mlx_radix_plugin.cache.paged_batch import MIN_QUERY_STEP
+    from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
+
+    model, tok = loaded("llama")
+    prefix = prefix_of(tok, 40)
+    own = 2 * MIN_QUERY_STEP + 20
+    prompts = [prefix + (question(tok, i) * 20)[:own] for i in range(4)]
+    passes = []
+    call = type(model).__call__
+
+    def recorded(self, inputs, *args, **kwargs):
+        passes.append(inputs.shape[1])
+        return call(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", recorded)
+    runs, prefills = {}, {}
+    for bound in (None, 1):  # no bound; one smaller than any pass's temporaries
+        rpc = radix(model)
+        warm(model, rpc, [prefix])
+        rpc.pool.prefill_working_bytes = bound
+        passes.clear()
+        runs[bound] = prefill_run(model, tok, rpc, prompts, prefill="auto", step=2048)
+        prefills[bound] = [n for n in passes if n > 1]
+    # The same tokens prefilled, in passes of at most MIN_QUERY_STEP where they were longer.
+    assert max(prefills[None]) > 2 * MIN_QUERY_STEP
+    assert max(prefills[1]) == MIN_QUERY_STEP and sum(prefills[1]) == sum(prefills[None])
+    (tokens, logits, _), (whole_tokens, whole_logits, _) = runs[1], runs[None]
+    assert tokens == whole_tokens
+    for i, steps in whole_logits.items():
+        for a, b in zip(logits[i], steps):
+            scale = mx.abs(b).max().item()
+            assert mx.abs(a - b).max().item() <= FIDELITY_TOLERANCE * scale

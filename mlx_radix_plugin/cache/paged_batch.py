@@ -37,6 +37,9 @@ from mlx_lm.models.cache import BatchKVCache
 from .batch import BatchRows, PoolBatchKVCache, _rows_for
 
 STEP = BatchKVCache.step  # columns the buffer grows by
+# The fewest queries ``query_step`` lets a pass take, whatever the bound: each pass reads
+# every weight once, and gathers every layer's context again.
+MIN_QUERY_STEP = 64
 
 
 class PagedBatchKVCache:
@@ -113,6 +116,30 @@ class PagedBatchKVCache:
             mx.eval(keys, values)
             ctx.pending_bytes = 0
         ctx.pending_bytes += need
+
+    def query_step(self, longest: int) -> int | None:
+        """The most queries a pass may take so that one layer's temporaries (``_bound``'s
+        estimate) stay under the pool's ``prefill_working_bytes``, for a prompt whose rows
+        add at most ``longest`` tokens; None where no bound applies or all fit.
+
+        ``_bound`` can evaluate the layers before one, not split it: a single layer's
+        float32 scores grow with rows x queries x columns. On the H200 (8B), a pass of 32
+        rows' 1,024-token suffixes over 9,000-14,000 cached tokens held 26.5 GB of live
+        arrays beyond the model and the pool, against an 8.6 GB working set."""
+        pool = self.rows.pool
+        budget = pool.prefill_working_bytes
+        if budget is None or not longest:
+            return None
+        spec = pool.specs[self.layer]
+        B = len(self.rows.tables)
+        heads = pool.query_heads or spec.kv_heads
+        columns = max(self._capacity, self._idx + longest)
+        laid_out = B * columns * spec.bytes_per_token(pool.dtype)
+        per_query = B * heads * columns * 4
+        step = (budget - 2 * laid_out) // per_query
+        if step >= longest:
+            return None
+        return max(MIN_QUERY_STEP, step)
 
     def _context(self, width: int) -> tuple[mx.array, mx.array]:
         """The pool's K and V rows of every row's tokens, right-aligned in ``width``."""

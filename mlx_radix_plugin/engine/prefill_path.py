@@ -59,6 +59,19 @@ class PoolPromptBatch(PromptProcessingBatch):
             batch.prompt_cache = self.caches_for(batch.prompt_cache)
         return batch
 
+    def prompt(self, tokens):
+        # mlx-lm takes prefill_step_size queries a pass; over the pool, fewer where one
+        # layer's scores would pass the pool's working set (PagedBatchKVCache.query_step).
+        paged = next((c for c in self.prompt_cache if isinstance(c, PagedBatchKVCache)), None)
+        step = paged.query_step(max(map(len, tokens), default=0)) if paged else None
+        if step is None or step >= self.prefill_step_size:
+            return super().prompt(tokens)
+        configured, self.prefill_step_size = self.prefill_step_size, step
+        try:
+            return super().prompt(tokens)
+        finally:
+            self.prefill_step_size = configured
+
     def extend(self, batch):
         # A batch that could not read the pool (a row the pool cannot hold) joins one that
         # does, or the other way: both take the buffer (all their tokens are in the pool).
