@@ -106,12 +106,7 @@ class PagedBatchKVCache:
         budget = self.rows.pool.prefill_working_bytes
         if budget is None:
             return
-        B, H, S, _ = keys.shape
-        heads = self.rows.pool.query_heads or H
-        # Its context gathered and laid out (two copies as wide as the buffer), and float32
-        # scores of its queries over them.
-        laid_out = B * self._capacity * H * (keys.shape[-1] + values.shape[-1]) * keys.dtype.size
-        need = 2 * laid_out + B * heads * S * columns * 4
+        need = self._layer_bytes(keys.shape[2], columns)
         if ctx.pending_bytes and ctx.pending_bytes + need > budget:
             mx.eval(keys, values)
             ctx.pending_bytes = 0
@@ -126,20 +121,25 @@ class PagedBatchKVCache:
         float32 scores grow with rows x queries x columns. On the H200 (8B), a pass of 32
         rows' 1,024-token suffixes over 9,000-14,000 cached tokens held 26.5 GB of live
         arrays beyond the model and the pool, against an 8.6 GB working set."""
-        pool = self.rows.pool
-        budget = pool.prefill_working_bytes
+        budget = self.rows.pool.prefill_working_bytes
         if budget is None or not longest:
             return None
-        spec = pool.specs[self.layer]
-        B = len(self.rows.tables)
-        heads = pool.query_heads or spec.kv_heads
         columns = max(self._capacity, self._idx + longest)
-        laid_out = B * columns * spec.bytes_per_token(pool.dtype)
-        per_query = B * heads * columns * 4
-        step = (budget - 2 * laid_out) // per_query
+        fixed = self._layer_bytes(0, columns)
+        step = (budget - fixed) // (self._layer_bytes(1, columns) - fixed)
         if step >= longest:
             return None
         return max(MIN_QUERY_STEP, step)
+
+    def _layer_bytes(self, queries: int, columns: int) -> int:
+        """One layer's temporaries in a pass of ``queries`` over ``columns``: its rows'
+        context gathered and laid out (two copies as wide as the buffer), and float32 scores
+        of its queries over them."""
+        pool, rows = self.rows.pool, len(self.rows.tables)
+        spec = pool.specs[self.layer]
+        heads = pool.query_heads or spec.kv_heads
+        laid_out = rows * self._capacity * spec.bytes_per_token(pool.dtype)
+        return 2 * laid_out + rows * heads * queries * columns * 4
 
     def _context(self, width: int) -> tuple[mx.array, mx.array]:
         """The pool's K and V rows of every row's tokens, right-aligned in ``width``."""
