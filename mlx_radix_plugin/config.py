@@ -192,6 +192,13 @@ SETTINGS: tuple[Setting, ...] = (
         "(auto: on, where the layers allow it; off: stock's matmuls, bitwise)",
         choices=("auto", "on", "off"),
     ),
+    Setting(
+        "server.front",
+        "auto",
+        "serve HTTP from a process of its own, so that the handlers' per-token work does not "
+        "share the generation thread's GIL (auto: on a GPU; off: one process, as stock)",
+        choices=("auto", "on", "off"),
+    ),
     Setting("metrics.enabled", True, "serve Prometheus metrics at /metrics"),
     Setting("log_level", "INFO", "log level of mlx-radix", choices=LOG_LEVELS),
 )

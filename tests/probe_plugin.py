@@ -32,6 +32,10 @@ class Probe:
         self._record("mlx_lm_batch_generator", kwargs=sorted(kwargs))
 
     @hookimpl
+    def mlx_lm_http_front(self, cli_args):
+        self._record("mlx_lm_http_front", port=cli_args.port)  # None: one process
+
+    @hookimpl
     def mlx_lm_generation_idle(self):
         if "mlx_lm_generation_idle" not in self.calls:  # once is enough to know
             self._record("mlx_lm_generation_idle")

@@ -98,7 +98,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
         "--bandwidth-mib", "8", "--pool-tokens", "4096", "--json", str(out),
         "--decode-shared", "3x64", "--shared-max-tokens", "6", "--shared-prefix", "on",
         "--agent-clients", "2", "--agent-rounds", "3", "--agent-prefix", "64",
-        "--agent-turn", "16", "--agent-max-tokens", "4",
+        "--agent-turn", "16", "--agent-max-tokens", "4", "--front", "on",
     ]  # fmt: skip
     assert gpu_bench.main(argv) == 0
     report = json.loads(out.read_text())
@@ -107,6 +107,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert report["radix_settings"] == {
         "decode.shared_prefix": "on",
         "model.fuse_projections": "auto",
+        "server.front": "on",  # every workload through the HTTP front, as on a GPU
     }
 
     # The figures are what the rounds measured: medians, and ratios of those medians.

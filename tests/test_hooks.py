@@ -21,7 +21,7 @@ SPECS = sorted(n for n, f in vars(hookspecs).items() if n.startswith("mlx_lm_") 
 
 
 def test_every_spec_is_prefixed_and_documented_in_one_line():
-    assert len(SPECS) == 9
+    assert len(SPECS) == 10
     for name in SPECS:
         doc = inspect.getdoc(getattr(hookspecs, name))
         assert doc and "\n" not in doc, name
@@ -81,6 +81,7 @@ def test_every_hook_is_called_by_a_real_server(probe_server):
     assert calls["mlx_lm_server_start"] == [{"port": probe_server.port}]
     assert calls["mlx_lm_model_loaded"][0]["layers"] == 2
     assert calls["mlx_lm_prompt_cache"] == [{"size": 10}]
+    assert calls["mlx_lm_http_front"] == [{"port": probe_server.port}]  # asked once, at start
     assert "completion_batch_size" in calls["mlx_lm_batch_generator"][0]["kwargs"]
     finished = calls["mlx_lm_request_finished"]
     assert [f["reason"] for f in finished] == ["length", "length"]

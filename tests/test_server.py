@@ -6,16 +6,16 @@ import sys
 import pytest
 from servers import (
     BIN,
-    NO_EOS,
+    GREEDY,
+    SYSTEM,
     Server,
+    conversation,
     free_port,
     mlx_lm_server,
     run_to_exit,
+    same_but_rounding,
     server_env,
 )
-
-SYSTEM = "You are a helpful assistant. Answer the question briefly and politely. "
-GREEDY = {"max_tokens": 8, "temperature": 0.0, "logit_bias": NO_EOS}
 
 
 @pytest.fixture(scope="module")
@@ -31,37 +31,6 @@ def start(model_dirs, hf_cache, tmp_path):
         return Server(cmd, server_env(hf_cache, **(env_extra or {})), port, tmp_path / "log")
 
     return start
-
-
-def conversation(server: Server) -> list[dict]:
-    """The same requests against any server: texts and usage, in order."""
-    out = []
-    for prompt in (SYSTEM + "Where is Paris?", SYSTEM + "Where is Berlin?"):
-        r = server.post("/v1/completions", {"prompt": prompt, **GREEDY})
-        out.append({"text": r["choices"][0]["text"], "usage": r["usage"]})
-    chat = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]}
-    r = server.post("/v1/chat/completions", {**chat, **GREEDY})
-    out.append({"text": r["choices"][0]["message"]["content"], "usage": r["usage"]})
-    events = server.stream("/v1/chat/completions", {**chat, **GREEDY})
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    out.append({"text": text, "usage": None})
-    events = server.stream("/v1/completions", {"prompt": SYSTEM + "Where is Rome?", **GREEDY})
-    out.append({"text": "".join(e["choices"][0]["text"] for e in events), "usage": None})
-    asked = {"prompt": SYSTEM + "Where is Oslo?", "logprobs": True, "top_logprobs": 3, **GREEDY}
-    r = server.post("/v1/completions", asked)
-    out.append({"text": r["choices"][0]["text"], "usage": None, "logprobs": r["choices"][0]})
-    return out
-
-
-def same_but_rounding(a, b, tolerance=1e-4) -> bool:
-    """Equal JSON, floats to ``tolerance`` (the pool's prefill splits the prompt elsewhere)."""
-    if isinstance(a, float) and isinstance(b, float):
-        return abs(a - b) <= tolerance * max(1.0, abs(b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_but_rounding(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(map(same_but_rounding, a, b))
-    return a == b
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -41,6 +41,11 @@ def mlx_lm_server_stopped():
     """The server stopped (SIGINT, SIGTERM, Ctrl-C) and its generation thread has ended."""
 
 
+@hookspec(firstresult=True)
+def mlx_lm_http_front(cli_args):
+    """Return True to serve HTTP from a process of its own (front.py); False or None: one."""
+
+
 @hookspec
 def mlx_lm_register_routes(register):
     """Call register(method, path, handler) to serve extra HTTP routes (see routes.py)."""

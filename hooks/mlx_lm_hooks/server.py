@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 import pluggy
 
+from .front import CLIENT_HEADER
 from .plugins import ActivationError, activate, get_plugin_manager
 from .routes import RouteRequest, RouteResponse, RouteTable
 from .salt import BadSalt, SaltedPromptCache, parse_salt
@@ -108,6 +109,7 @@ class _Installed:
     stock: dict = {}
     routes: RouteTable | None = None
     cli_args = None
+    front = None  # the HTTP front's handle (front.py) while one serves
 
 
 def _hook():
@@ -356,20 +358,25 @@ def _response_generator_class(stock, budget):
             finally:
                 if reason is None and generated:
                     reason = "disconnect"
-                record = RequestRecord(
-                    model_key=self.model_provider.model_key,
-                    prompt_tokens=len(ctx.prompt),
-                    cached_tokens=max(ctx.prompt_cache_count, 0),
-                    generated_tokens=generated,
-                    finish_reason=reason,
-                    seconds=time.perf_counter() - start,
-                )
-                try:
-                    _hook().mlx_lm_request_finished(record=record)
-                except Exception:
-                    log.exception("a mlx_lm_request_finished hook failed")
+                _finished(self, ctx, generated, reason, time.perf_counter() - start)
 
     return ResponseGenerator
+
+
+def _finished(generator, ctx, generated: int, reason: str | None, seconds: float) -> None:
+    """Tell the plugins a request ended (``mlx_lm_request_finished``)."""
+    record = RequestRecord(
+        model_key=generator.model_provider.model_key,
+        prompt_tokens=len(ctx.prompt),
+        cached_tokens=max(ctx.prompt_cache_count, 0),
+        generated_tokens=generated,
+        finish_reason=reason,
+        seconds=seconds,
+    )
+    try:
+        _hook().mlx_lm_request_finished(record=record)
+    except Exception:
+        log.exception("a mlx_lm_request_finished hook failed")
 
 
 def _handler_class():
@@ -390,7 +397,7 @@ def _handler_class():
                     url.path,
                     url.query,
                     body,
-                    self.client_address[0],
+                    self._client(),
                     generator=self.response_generator,
                 )
                 response = handler(request)
@@ -422,6 +429,17 @@ def _handler_class():
                 # tells the client), and the log has what happened.
                 log.exception("plugin route %s %s failed mid-stream", method, url.path)
             return True
+
+        def log_message(self, format, *args):
+            # Behind the HTTP front, the front logs each request as stock's server does.
+            if _Installed.front is None:
+                super().log_message(format, *args)
+
+        def _client(self) -> str:
+            """The client's address; behind the HTTP front, the one the front heard."""
+            if _Installed.front is not None:
+                return self.headers.get(CLIENT_HEADER) or self.client_address[0]
+            return self.client_address[0]
 
         def _write_flushed(self, data: bytes) -> None:
             self.wfile.write(data)
@@ -502,15 +520,27 @@ def _run_http_server(host, port, response_generator, server_class=None, handler_
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _interrupt)
+    front = _front(host, port, response_generator)
+    if front is not None:
+        # Clients reach the front; this process serves it (and every route but
+        # completions) on a loopback port of its own.
+        host, port = "127.0.0.1", 0
     try:
         stock(
             host,
             port,
             response_generator,
-            server_class=server_class or HTTPServer,
+            server_class=server_class or _server_class(front),
             handler_class=_handler_class(),
         )
+        if front is not None and front.lost:
+            # Stock joins the generation thread on Ctrl-C only; a lost front ends the
+            # server the same way.
+            response_generator.stop_and_join()
     finally:
+        if front is not None:
+            front.stop()
+            _Installed.front = None
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     try:
@@ -524,7 +554,36 @@ def _run_http_server(host, port, response_generator, server_class=None, handler_
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(1 if front is not None and front.lost else 0)
+
+
+def _front(host, port, response_generator):
+    """The HTTP front's handle when the plugins ask for one (front.py), else None."""
+    if response_generator._is_distributed:
+        return None  # every rank runs the same loop; only rank 0 serves HTTP
+    if not _hook().mlx_lm_http_front(cli_args=_Installed.cli_args):
+        return None
+    from .front import Front
+
+    def record(box):
+        _finished(
+            response_generator, box.ctx, box.generated, box.reason, time.perf_counter() - box.start
+        )
+
+    _Installed.front = Front(host, port, response_generator, record)
+    return _Installed.front
+
+
+def _server_class(front):
+    if front is None:
+        return HTTPServer
+
+    class EngineServer(HTTPServer):
+        def server_activate(self):
+            super().server_activate()
+            front.start(self)  # listening: the front may forward to it now
+
+    return EngineServer
 
 
 def _interrupt(signum, frame):

@@ -170,6 +170,18 @@ class RadixPlugin:
         return BatchGenerator(model, **capped)
 
     @hookimpl
+    def mlx_lm_http_front(self, cli_args):
+        setting = self.config["server.front"]
+        if setting == "auto":
+            import mlx.core as mx
+
+            # On a GPU the device waits for the host: the handlers' GIL time is what a step
+            # loses (docs/gpu.md, "The HTTP front"). On MLX's CPU backend the front would take
+            # a core from the model's own work.
+            return mx.default_device() != mx.cpu
+        return setting == "on"
+
+    @hookimpl
     def mlx_lm_generation_idle(self):
         if self.cache is not None:
             self.cache.idle()

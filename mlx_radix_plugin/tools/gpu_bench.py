@@ -691,6 +691,7 @@ def started(name: str, model_dir: Path, work: Path, args):
             "MLX_RADIX_POOL_TOKENS": str(args.pool_tokens),  # 0: the plugin's own memory plan
             "MLX_RADIX_DECODE_SHARED_PREFIX": args.shared_prefix,
             "MLX_RADIX_MODEL_FUSE_PROJECTIONS": args.fuse_projections,
+            "MLX_RADIX_SERVER_FRONT": args.front,
             # The disk tier writes every committed page through: what that costs the steps.
             **(
                 {"MLX_RADIX_DISK_ENABLED": "1", "MLX_RADIX_DISK_DIR": str(work / "disk")}
@@ -971,6 +972,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["auto", "on", "off"],
         help="the plugin's model.fuse_projections",
     )
+    p.add_argument(
+        "--front",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="the plugin's server.front (HTTP in a process of its own)",
+    )
     p.add_argument("--cached-prefix", type=int, default=4096, help="TTFT: shared prefix tokens")
     p.add_argument("--cached-requests", type=int, default=8, help="TTFT: requests timed")
     p.add_argument("--question", type=int, default=32, help="tokens after a shared prefix")
@@ -1064,6 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
         "radix_settings": {
             "decode.shared_prefix": args.shared_prefix,
             "model.fuse_projections": args.fuse_projections,
+            "server.front": args.front,
         },
         "shapes": [],
     }
