@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import pluggy
 
-from .front import CLIENT_HEADER
+from .front import CLIENT_HEADER, Front
 from .plugins import ActivationError, activate, get_plugin_manager
 from .routes import RouteRequest, RouteResponse, RouteTable
 from .salt import BadSalt, SaltedPromptCache, parse_salt
@@ -530,7 +530,7 @@ def _run_http_server(host, port, response_generator, server_class=None, handler_
             host,
             port,
             response_generator,
-            server_class=server_class or _server_class(front),
+            server_class=_server_class(front, server_class or HTTPServer),
             handler_class=_handler_class(),
         )
         if front is not None and front.lost:
@@ -563,7 +563,6 @@ def _front(host, port, response_generator):
         return None  # every rank runs the same loop; only rank 0 serves HTTP
     if not _hook().mlx_lm_http_front(cli_args=_Installed.cli_args):
         return None
-    from .front import Front
 
     def record(box):
         _finished(
@@ -574,11 +573,13 @@ def _front(host, port, response_generator):
     return _Installed.front
 
 
-def _server_class(front):
+def _server_class(front, base):
+    """``base``, or with the front on, ``base`` that starts the front once it listens (a
+    server class a caller passed must not leave the front unstarted)."""
     if front is None:
-        return HTTPServer
+        return base
 
-    class EngineServer(HTTPServer):
+    class EngineServer(base):
         def server_activate(self):
             super().server_activate()
             front.start(self)  # listening: the front may forward to it now
