@@ -196,8 +196,8 @@ SETTINGS: tuple[Setting, ...] = (
         "server.front",
         "auto",
         "serve HTTP from a process of its own, so that the handlers' per-token work does not "
-        "share the generation thread's GIL (auto: one process until measured on a GPU; off: one "
-        "process, as stock)",
+        "share the generation thread's GIL (auto: one process, as no gain was measured on an H200; "
+        "off: one process, as stock)",
         choices=("auto", "on", "off"),
     ),
     Setting("metrics.enabled", True, "serve Prometheus metrics at /metrics"),

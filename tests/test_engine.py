@@ -84,6 +84,30 @@ def test_a_burst_s_followers_prefill_together_however_many(loaded):
     assert max(model_passes.passes) == 2  # 6 rows x 64-token chunks: over the budget of 2 x 64
 
 
+def test_requests_sharing_nothing_prefill_together_where_the_device_admits_so(loaded):
+    """Where ``admit_together`` holds (a CUDA device), short requests that share nothing
+    start in one pass within mlx-lm's budget, not ``prefill_batch_size`` at a time; where it
+    does not, as mlx-lm starts them. Answers as stock's either way."""
+    model, tok = loaded("llama")
+    words = ("Rivers", "Mountains", "Cities", "Oceans", "Forests", "Deserts")
+    prompts = [tok.encode(f"{w} of land {i} run to the sea.") for i, w in enumerate(words)]
+    expected = run_batch(model, tok, prompts)
+    for together, passes in ((True, [6]), (False, [4, 2])):
+        model_passes = PrefillPasses(model)
+        gen = RadixBatchGenerator(
+            model_passes, radix(model), completion_batch_size=8, prefill_batch_size=4
+        )
+        gen.admit_together = together
+        uids = admit(gen, gen.radix, prompts, 8)
+        out = {uid: [] for uid in uids}
+        while any(len(t) < 8 for t in out.values()):
+            for r in gen.next_generated():
+                out[r.uid].append(r.token)
+        gen.close()
+        assert model_passes.passes == passes
+        assert [out[u] for u in uids] == expected
+
+
 def test_an_old_generator_closing_late_leaves_in_flight_sharing_on(loaded):
     """mlx-lm's generators close again when collected; the server makes a new one after
     draining a batch. The old one closing (or being collected) after the new one is made

@@ -67,6 +67,17 @@ def _table(sequence) -> PageTable | None:
     return cache.table if cache is not None else None
 
 
+# Whether requests that arrive together and share nothing prefill in one pass, as many as
+# mlx-lm's pass budget (``--prompt-concurrency`` rows x ``--prefill-step-size`` tokens) holds,
+# instead of ``--prompt-concurrency`` at a time. On the H200 (Llama-3-8B shape, bf16) 32
+# requests of ~300 prompt tokens entered in 4 waves of 8, each a pass and a decode step that
+# the rows already decoding waited for: the last row decoded 451-603 ms after the first was
+# tokenized, for about 0.3 s of prefill compute (docs/gpu.md, "Admission in one pass"). A
+# CPU or an Apple GPU is compute-bound at 8 rows already: one pass of 32 would give the
+# first rows their first tokens later and the last ones no sooner.
+ADMITS_TOGETHER = {"cuda": True, "gpu": False, "cpu": False}
+
+
 class RadixBatchGenerator(BatchGenerator):
     def __init__(
         self,
@@ -105,6 +116,7 @@ class RadixBatchGenerator(BatchGenerator):
             shared_prefix = "off"
         where = backend()
         self.decode_path = DecodePath(shared_prefix, RULES[where], calls or 0, where == "cuda")
+        self.admit_together = ADMITS_TOGETHER[where]
         # Prompt batches read cached K/V from the pool, and hand finished rows to the
         # decode path's caches (engine/prefill_path.py).
         heads = getattr(getattr(model, "args", None), "num_attention_heads", None)
@@ -367,7 +379,8 @@ class RadixBatchGenerator(BatchGenerator):
         their short suffixes left once it is written: they start together, up to
         ``completion_batch_size`` and that many tokens, where a burst's followers would
         otherwise start 8 at a time, each group a forward pass and a first decode step of
-        its own. Other requests start as mlx-lm starts them.
+        its own. Where ``admit_together`` holds (``ADMITS_TOGETHER``), so do requests that
+        share nothing, within the same budget.
         """
         configured, step = self.prefill_batch_size, self.prefill_step_size
         room = self.completion_batch_size - len(self._generation_batch)
@@ -377,7 +390,7 @@ class RadixBatchGenerator(BatchGenerator):
         )
         for sequence in self._unprocessed_sequences:
             table = _table(sequence)
-            if table is None or table.depends is None:
+            if table is None or (table.depends is None and not self.admit_together):
                 continue
             longest = max(longest, min(sum(map(len, sequence[1])), step))
             if rows >= room or (rows + 1) * longest > configured * step:

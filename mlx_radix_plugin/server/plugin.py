@@ -171,9 +171,10 @@ class RadixPlugin:
 
     @hookimpl
     def mlx_lm_http_front(self, cli_args):
-        # auto keeps one process until the front is measured on a GPU, where the handlers'
-        # GIL time is what a step loses (docs/design.md, "The HTTP front"); on MLX's CPU
-        # backend it measured level (tiny shape, 32 streams: 5,389 against 5,282 tokens/s).
+        # auto keeps one process: the front measured no gain beyond the rounds' spread on two
+        # H200s (8B shape, 32 streams: 1,257 and 1,588 tokens/s with it, 1,649 and 1,388
+        # without; docs/gpu.md, "Admission in one pass"), and level on MLX's CPU backend
+        # (tiny shape, 32 streams: 5,389 against 5,282 tokens/s).
         return self.config["server.front"] == "on"
 
     @hookimpl
