@@ -32,6 +32,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from http.server import ThreadingHTTPServer
 from queue import Queue
 from urllib.parse import urlsplit
@@ -43,6 +44,7 @@ from .plugins import ActivationError, activate, get_plugin_manager
 from .routes import RouteRequest, RouteResponse, RouteTable
 from .salt import BadSalt, SaltedPromptCache, parse_salt
 from .sampling import Sampling
+from .tokenizing import Prefetcher
 
 log = logging.getLogger("mlx_lm_hooks")
 
@@ -252,6 +254,8 @@ def _waiting_budget_class(stock):
 
 
 def _response_generator_class(stock, budget):
+    from mlx_lm.server import _image_parts
+
     class ResponseGenerator(stock):
         def __init__(self, model_provider, prompt_cache):
             super().__init__(model_provider, prompt_cache)
@@ -267,6 +271,10 @@ def _response_generator_class(stock, budget):
                 self._time_budget = budget(lambda: not self.requests.empty())
             # Set before any request can arrive: the HTTP server starts after this.
             self.requests = _RequestQueue()
+            # Distributed ranks tokenize in step with rank 0's queue, as stock does.
+            self._prefetcher = Prefetcher(
+                partial(stock._tokenize, self), workers=0 if self._is_distributed else None
+            )
 
         def _run_generate(self):
             # Stock lets an exception in a step (a CUDA out-of-memory error, say) end this
@@ -321,7 +329,7 @@ def _response_generator_class(stock, budget):
             # Runs on the generation thread, inside the try that turns an exception into
             # this request's error; what is refused here never reaches insert_segments.
             try:
-                prompt, *rest = super()._tokenize(tokenizer, request, args)
+                prompt, *rest = self._prefetcher.take(tokenizer, request, args, self._waiting(args))
             except (TypeError, ValueError) as e:
                 # A prompt that is no string, an empty conversation: the request's fault.
                 raise RequestRefused(str(e)) from e
@@ -337,6 +345,23 @@ def _response_generator_class(stock, budget):
             if isinstance(self.prompt_cache, SaltedPromptCache):
                 self.prompt_cache.salt = getattr(request, "cache_salt", None)
             return (prompt, *rest)
+
+        def _waiting(self, args) -> list[tuple]:
+            """``(request, args)`` of the queued requests that stock's loop will tokenize
+            with this request's tokenizer: batchable, for the same model, without images."""
+            with self.requests.mutex:
+                items = [item for item in self.requests.queue if isinstance(item, tuple)]
+            return [
+                (request, other)
+                for _, request, other in items
+                if other.model == args.model
+                and self._is_batchable(other)
+                and not any(_image_parts(request.messages))
+            ]
+
+        def stop_and_join(self):
+            self._prefetcher.close()
+            super().stop_and_join()
 
         def generate(self, request, generation_args, progress_callback=None):
             ctx, responses = super().generate(request, generation_args, progress_callback)

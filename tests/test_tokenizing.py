@@ -1,0 +1,110 @@
+"""Requests waiting in the generation thread's queue, tokenized ahead on worker threads
+(mlx_lm_hooks/tokenizing.py): the same results as stock's ``_tokenize`` in the same order,
+errors included."""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+from mlx_lm.server import CompletionRequest, ResponseGenerator
+from mlx_lm.utils import load_tokenizer
+from mlx_lm_hooks.tokenizing import Prefetcher
+
+
+class Recorder:
+    """A tokenize that records which thread tokenized which request."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def __call__(self, tokenizer, request, args):
+        self.release.wait(10)
+        self.calls.append((request.prompt, threading.current_thread().name))
+        if request.prompt == "bad":
+            raise ValueError("a bad prompt")
+        return [ord(c) for c in request.prompt], tokenizer
+
+
+def req(text: str) -> CompletionRequest:
+    return CompletionRequest("text", text, [], None, None)
+
+
+def test_requests_behind_are_tokenized_on_workers_and_taken_in_order():
+    tokenize, tok = Recorder(), object()
+    pre = Prefetcher(tokenize, workers=2)
+    a, b, c = req("a"), req("bc"), req("def")
+    assert pre.take(tok, a, None, [(b, None), (c, None)]) == ([97], tok)
+    assert pre.take(tok, b, None, [(c, None)]) == ([98, 99], tok)
+    assert pre.take(tok, c, None, []) == ([100, 101, 102], tok)
+    pre.close()
+    threads = dict(tokenize.calls)
+    assert len(tokenize.calls) == 3  # each once
+    assert threads["a"] == threading.current_thread().name
+    assert threads["bc"].startswith("tokenize-ahead") and threads["def"].startswith(
+        "tokenize-ahead"
+    )
+
+
+def test_an_error_reaches_the_generation_thread_as_stock_s_would():
+    pre = Prefetcher(Recorder(), workers=2)
+    tok, first, bad = object(), req("x"), req("bad")
+    pre.take(tok, first, None, [(bad, None)])
+    with pytest.raises(ValueError, match="a bad prompt"):
+        pre.take(tok, bad, None, [])
+    pre.close()
+
+
+def test_what_left_the_queue_or_another_tokenizer_is_not_used():
+    tokenize = Recorder()
+    pre = Prefetcher(tokenize, workers=2)
+    tok, other = object(), object()
+    a, b, c = req("a"), req("b"), req("c")
+    pre.take(tok, a, None, [(b, None), (c, None)])
+    # b left the queue another way (a model switch, a hang-up); c is taken with another
+    # tokenizer: both are tokenized again, by the caller.
+    pre.take(tok, req("z"), None, [(c, None)])
+    assert pre.take(other, c, None, []) == ([99], other)
+    assert pre.take(tok, b, None, []) == ([98], tok)
+    pre.close()
+    mine = threading.current_thread().name
+    assert [p for p, t in tokenize.calls if t == mine] == ["a", "z", "c", "b"]
+
+
+def test_no_workers_tokenizes_on_the_caller_only():
+    tokenize = Recorder()
+    pre = Prefetcher(tokenize, workers=0)
+    pre.take(object(), req("a"), None, [(req("b"), None)])
+    assert tokenize.calls == [("a", threading.current_thread().name)]
+
+
+def test_stock_tokenize_ahead_gives_stock_s_tokens(model_dirs):
+    """Stock's own ``_tokenize`` run on the workers, chat and text requests, with a real
+    tokenizer: the tokens and segments it gives on the generation thread."""
+    tokenizer = load_tokenizer(model_dirs["llama"])
+    provider = SimpleNamespace(processor=None, cli_args=SimpleNamespace(chat_template_args={}))
+    generator = SimpleNamespace(model_provider=provider)
+
+    def stock(tok, request, args):
+        return ResponseGenerator._tokenize(generator, tok, request, args)
+
+    args = SimpleNamespace(chat_template_kwargs=None)
+    requests = [
+        CompletionRequest(
+            "chat",
+            "",
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Hi {i}"}],
+            None,
+            None,
+        )
+        for i in range(6)
+    ] + [req(f"Once upon a time {i}") for i in range(6)]
+    expected = [stock(tokenizer, r, args) for r in requests]
+    pre = Prefetcher(stock, workers=3)
+    got = [
+        pre.take(tokenizer, r, args, [(w, args) for w in requests[i + 1 :]])
+        for i, r in enumerate(requests)
+    ]
+    pre.close()
+    assert got == expected
