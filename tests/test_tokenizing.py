@@ -108,3 +108,21 @@ def test_stock_tokenize_ahead_gives_stock_s_tokens(model_dirs):
     ]
     pre.close()
     assert got == expected
+
+
+def test_after_close_everything_is_tokenized_on_the_caller():
+    """The server stops: work not yet started is dropped, and a request still taken after it
+    is tokenized by the caller, with no worker started again."""
+    tokenize = Recorder()
+    tokenize.release.clear()  # the first worker job blocks until released
+    pre = Prefetcher(tokenize, workers=1)
+    tok, a, b, c = object(), req("a"), req("b"), req("c")
+    taking = threading.Thread(target=pre.take, args=(tok, a, None, [(b, None), (c, None)]))
+    taking.start()
+    pre.close()
+    tokenize.release.set()
+    taking.join(10)
+    assert pre.take(tok, c, None, [(req("d"), None)]) == ([99], tok)
+    mine = threading.current_thread().name
+    assert ("c", mine) in tokenize.calls
+    assert all(p != "d" for p, _ in tokenize.calls)  # nothing started after close

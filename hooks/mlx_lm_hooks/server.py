@@ -23,6 +23,7 @@ where stock's generation thread dies for good. Requests may carry vLLM's
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ from .plugins import ActivationError, activate, get_plugin_manager
 from .routes import RouteRequest, RouteResponse, RouteTable
 from .salt import BadSalt, SaltedPromptCache, parse_salt
 from .sampling import Sampling
-from .tokenizing import Prefetcher
+from .tokenizing import MAX_AHEAD, Prefetcher
 
 log = logging.getLogger("mlx_lm_hooks")
 
@@ -347,21 +348,31 @@ def _response_generator_class(stock, budget):
             return (prompt, *rest)
 
         def _waiting(self, args) -> list[tuple]:
-            """``(request, args)`` of the queued requests that stock's loop will tokenize
-            with this request's tokenizer: batchable, for the same model, without images."""
+            """``(request, args)`` of the first queued requests that stock's loop will
+            tokenize with this request's tokenizer: batchable, for the same model, without
+            images. Only the head of the queue is read (a flood is not scanned at each
+            request), and a request the look cannot read is left to its own turn."""
+            if not self._prefetcher.workers:
+                return []
             with self.requests.mutex:
-                items = [item for item in self.requests.queue if isinstance(item, tuple)]
-            return [
-                (request, other)
-                for _, request, other in items
-                if other.model == args.model
-                and self._is_batchable(other)
-                and not any(_image_parts(request.messages))
-            ]
+                items = list(itertools.islice(self.requests.queue, MAX_AHEAD))
+            waiting = []
+            for item in items:
+                try:
+                    _, request, other = item
+                    if (
+                        other.model == args.model
+                        and self._is_batchable(other)
+                        and not any(_image_parts(request.messages))
+                    ):
+                        waiting.append((request, other))
+                except Exception:
+                    continue
+            return waiting
 
         def stop_and_join(self):
-            self._prefetcher.close()
             super().stop_and_join()
+            self._prefetcher.close()
 
         def generate(self, request, generation_args, progress_callback=None):
             ctx, responses = super().generate(request, generation_args, progress_callback)

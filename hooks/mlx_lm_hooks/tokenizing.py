@@ -34,8 +34,11 @@ class Prefetcher:
     def __init__(self, tokenize: Callable, workers: int | None = None):
         """``tokenize(tokenizer, request, args)``: stock's ``_tokenize``, bound."""
         self._tokenize = tokenize
-        cores = os.cpu_count() or 1
+        # The cores this process may run on (a container's limit), not the host's.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        cores = cores or os.cpu_count() or 1
         self.workers = workers if workers is not None else min(MAX_WORKERS, cores - 1)
+        self._closed = False
         self._pool: ThreadPoolExecutor | None = None
         # id(request) -> (request, tokenizer, future): the request is kept so that its id
         # is not reused by another while its result waits here.
@@ -49,10 +52,12 @@ class Prefetcher:
         workers first; what was done ahead for a request no longer waiting is dropped."""
         with self._lock:
             ahead = self._ahead.pop(id(request), None)
-            if self.workers > 0:
+            if self.workers > 0 and not self._closed:
                 self._start(tokenizer, waiting)
         if ahead is not None and ahead[0] is request and ahead[1] is tokenizer:
-            return ahead[2].result()  # stock's exception, if it raised one
+            future = ahead[2]
+            if not future.cancelled():  # cancelled: the pool was shut down before it ran
+                return future.result()  # stock's exception, if it raised one
         return self._tokenize(tokenizer, request, args)
 
     def _start(self, tokenizer, waiting: list[tuple]) -> None:
@@ -71,7 +76,9 @@ class Prefetcher:
             self._ahead[id(request)] = (request, tokenizer, future)
 
     def close(self) -> None:
+        """No more work ahead; ``take`` tokenizes on the caller from now on."""
         with self._lock:
+            self._closed = True
             self._ahead.clear()
             pool, self._pool = self._pool, None
         if pool is not None:
