@@ -9,7 +9,6 @@ them: no K/V is copied, and a prefix shared by many prompts is stored once.
 from __future__ import annotations
 
 import itertools
-import os
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from ..memory.disk_tier import DISK_STATS
 from ..memory.pool import KVPool, page_slots
 from ..memory.radix_tree import MatchResult, RadixTree, TreeNode
 from ..memory.snapshots import SnapshotStore
+from .inflight import InflightPrompts
 from .page_table import PageTable
 from .pool_backed import PoolBackedCache
 from .recurrent import RecurrentTrack, Snapshot
@@ -72,9 +72,7 @@ class RadixPromptCache:
         # this on (engine.RadixBatchGenerator does), and only it turns it off again.
         self.share_inflight = False
         self.inflight_engine: int | None = None  # id() of that engine
-        # In fetch order (a WeakSet's follows addresses): a tie goes to the first fetched,
-        # the same request on every rank of mlx.launch.
-        self._inflight: weakref.WeakValueDictionary[int, PageTable] = weakref.WeakValueDictionary()
+        self._inflight = InflightPrompts(pool.page_size)
         self._fetches = itertools.count()
         self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()  # every fetched table
         # The disk tier under the pool (tiering.py), when the server turns it on.
@@ -139,7 +137,7 @@ class RadixPromptCache:
         # No page is reserved for the rest of the prompt yet: a queued request holds only
         # what it matched, and reserves when the engine admits it (or as its prefill goes).
         table.fetch_number = next(self._fetches)
-        self._inflight[table.fetch_number] = table
+        self._inflight.add(table.fetch_number, table)
         self._tables.add(table)
         c = self.counters
         c.prompt_tokens += len(table.tokens)
@@ -271,7 +269,7 @@ class RadixPromptCache:
             if list(tokens[: len(prompt)]) != prompt[: len(tokens)]:
                 # Not the tokens this table's pages hold: committing would file K/V
                 # under the wrong key. Give the pages back instead.
-                self._inflight.pop(table.fetch_number, None)
+                self._inflight.pop(table.fetch_number)
                 table.release()
                 return
             if table.in_batch:
@@ -279,7 +277,7 @@ class RadixPromptCache:
                 self._commit_running(model_key, tokens, table, n)
             else:
                 self._commit(model_key, tokens, table, n)
-                self._inflight.pop(table.fetch_number, None)
+                self._inflight.pop(table.fetch_number)
                 table.release()
         elif self._ingestible(prompt_cache):
             self._ingest(model_key, tokens, prompt_cache)
@@ -308,7 +306,7 @@ class RadixPromptCache:
     @_locked
     def release(self, table: PageTable) -> None:
         """Give back a request's pages and lock without caching anything more of it."""
-        self._inflight.pop(table.fetch_number, None)
+        self._inflight.pop(table.fetch_number)
         table.release()
 
     @_locked
@@ -340,7 +338,7 @@ class RadixPromptCache:
             self._commit_running(table.model_key, prompt, table, upto)
         if upto >= len(prompt) // self.pool.page_size * self.pool.page_size:
             table.prompt_committed = True
-            self._inflight.pop(table.fetch_number, None)
+            self._inflight.pop(table.fetch_number)
 
     # -- pins ----------------------------------------------------------------------
 
@@ -432,17 +430,7 @@ class RadixPromptCache:
         self, model_key: Hashable, tokens: list[int], cached: int
     ) -> tuple[PageTable | None, int]:
         """The request not yet committed whose prompt covers most of ``tokens``."""
-        ps = self.pool.page_size
-        best, best_len = None, cached
-        for other in list(self._inflight.values()):
-            if other.released or other.model_key != model_key:
-                continue
-            limit = min(len(other.tokens), len(tokens) - 1)
-            common = len(os.path.commonprefix([other.tokens[:limit], tokens[:limit]]))
-            common = common // ps * ps
-            if common > best_len:
-                best, best_len = other, common
-        return best, best_len
+        return self._inflight.longest(model_key, tokens, cached)
 
     def _commit_running(
         self, model_key: Hashable, tokens: Sequence[int], table: PageTable, n: int
