@@ -8,6 +8,7 @@ its batches here have prompts, or remaining prompts, of one length.
 """
 
 import os
+import time
 
 import mlx.core as mx
 import pytest
@@ -17,6 +18,8 @@ from test_generation import KEY, no_eos
 from tiny_models import HYBRID_ARCHS
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
+from mlx_radix_plugin.cache.tiering import Tiering, disk_identity
+from mlx_radix_plugin.memory.disk_tier import DiskTier, state_key
 from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
 from mlx_radix_plugin.engine.generator import RadixBatchGenerator
 
@@ -44,7 +47,9 @@ class Server:
     """What mlx_lm.server does with the plugin's engine: fetch, cut the prompt's segments
     by what was cached, insert; commit at segment ends and at the finish."""
 
-    def __init__(self, model, tokenizer, snapshot_mib=None, every=64, pool_tokens=4096):
+    def __init__(
+        self, model, tokenizer, snapshot_mib=None, every=64, pool_tokens=4096, disk=None
+    ):
         pool = KVPool.for_model(
             model,
             page_size=PS,
@@ -52,6 +57,9 @@ class Server:
             snapshot_bytes=None if snapshot_mib is None else int(snapshot_mib * 2**20),
         )
         self.rpc = RadixPromptCache(pool)
+        if disk is not None:  # the disk tier at ``disk``, written through
+            tier = DiskTier(disk, disk_identity(model, pool), 1 << 30)
+            self.rpc.tiering = Tiering(pool, tier, KEY)
         self.gen = RadixBatchGenerator(
             model,
             self.rpc,
@@ -105,6 +113,12 @@ class Server:
 
     def stats(self):
         return self.rpc.stats()
+
+    def stop(self):
+        """What a server's clean shutdown does with the disk tier."""
+        tiering = self.rpc.tiering
+        tiering.save_tree(self.rpc.tree, time.monotonic() + 30, self.rpc.snapshots)
+        assert tiering.disk.close(30)
 
 
 def check(model, tokenizer, served, prompts):
@@ -234,3 +248,53 @@ def test_a_warm_resume_equals_a_cold_request_split_at_the_same_position(loaded, 
     assert warm[0] == cold[0]
     diff = mx.abs(warm[2] - cold[2]).max().item()
     assert diff <= FIDELITY_TOLERANCE * mx.abs(cold[2]).max().item()
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_a_restart_resumes_a_chat_from_the_disk_tier(loaded, arch, tmp_path):
+    model, tok = loaded(arch)
+    server = Server(model, tok, every=2, disk=tmp_path)
+    prompt = words(tok, "You are a helpful assistant. Answer the question briefly. Paris?")
+    ((out, _, _),) = server.run([prompt])
+    assert server.stats()["disk_states"] > 0
+    server.stop()
+
+    # A new process: an empty pool and no snapshot in memory, the same disk. Turn 2 resumes
+    # from the deepest page boundary that has a state on disk (its pages read back), as
+    # stock resumes nothing: every token before it is not computed again.
+    server = Server(model, tok, every=2, disk=tmp_path)
+    turn2 = prompt + out + words(tok, " And Berlin?")
+    served = server.run([turn2])
+    check(model, tok, served, [turn2])
+    deepest = (len(prompt) + len(out)) // PS * PS
+    assert deepest - 2 * PS < served[0][1] <= deepest
+    stats = server.stats()
+    assert stats["disk_hits"] == 1 and stats["snapshot_hits"] == 1
+    assert stats["pages_locked"] == 0
+    server.stop()
+
+
+def test_a_corrupt_state_on_disk_is_a_miss_and_answers_stay_stock(loaded, tmp_path):
+    model, tok = loaded("qwen3_5")
+    server = Server(model, tok, every=2, disk=tmp_path)
+    prompt = words(tok, "Radix trees share prefixes; pages hold keys and values. Why?")
+    server.run([prompt])
+    server.stop()
+    tier = DiskTier(tmp_path, server.rpc.tiering.disk.identity, 1 << 30)
+    states = [k for k, e in tier._entries.items() if e.state]
+    assert states and all(k == state_key(tier._entries[k].parent) for k in states)
+    for key in states:  # every state's data, not its header: the checksum fails
+        path = tier.path_of(key)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    tier.close(10)
+
+    server = Server(model, tok, every=2, disk=tmp_path)
+    again = prompt + words(tok, " Because.")
+    served = server.run([again])
+    check(model, tok, served, [again])
+    # No state read back: its pages alone give a hybrid nothing to resume from.
+    stats = server.stats()
+    assert served[0][1] == 0 and stats["disk_corrupt"] >= 1
+    server.stop()

@@ -159,6 +159,9 @@ class RadixPromptCache:
             table, n, snapshot = self._resume_at_tail(model_key, tokens, match)
             if table is not None:
                 return self._hybrid_caches(table, n, snapshot, match.length)
+        if self.tiering is not None:
+            # A state on disk deeper than any in memory (after a restart, say) is read back.
+            self.tiering.restore_state(self.tree, self.snapshots, model_key, tokens[:-1], match)
         node, n = match.node, match.length
         while not node.is_root and node not in self.snapshots:
             n -= len(node.tokens)
@@ -460,6 +463,9 @@ class RadixPromptCache:
             self.tiering.save(model_key, tokens[:n], pages, cached // self.pool.page_size)
         if table.recurrent is not None:
             self._attach_snapshots(model_key, tokens, table.recurrent, n)
+            tiering = self.tiering
+            if tiering is not None and tiering.write_mode == "through":
+                tiering.save_states(self.tree, self.snapshots)
 
     def _attach_snapshots(
         self, model_key: Hashable, tokens: Sequence[int], track: RecurrentTrack, n: int
@@ -473,8 +479,9 @@ class RadixPromptCache:
         for d, snapshot in taken:
             track.captured.pop(d, None)
             node = self.tree.node_ending_at(model_key, list(tokens[:d]))
-            if node is not None:
-                self.snapshots.put(node, snapshot, snapshot.nbytes)
+            if node is not None and self.snapshots.put(node, snapshot, snapshot.nbytes):
+                if self.tiering is not None:
+                    self.tiering.states_due = True
 
     def _ingestible(self, prompt_cache: list[Any]) -> bool:
         return (

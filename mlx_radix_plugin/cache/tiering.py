@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import astuple
 
@@ -46,15 +47,23 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..memory.allocator import OutOfPages
-from ..memory.disk_tier import FORMAT, DiskTier, chain_seed, page_hashes
+from ..memory.disk_tier import FORMAT, DiskTier, chain_seed, page_hashes, state_key
 from ..memory.fingerprint import model_fingerprint
 from ..memory.pool import KVPool, page_slots
 from ..memory.radix_tree import MatchResult, RadixTree
+from ..memory.snapshots import SnapshotStore
+from .recurrent import Snapshot
 
 log = logging.getLogger("mlx_radix")
 
 # The K/V dtype's name in safetensors; bfloat16's bits travel as uint16 (numpy has none).
 TAGS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
+TAG_DTYPES = {tag: dtype for dtype, tag in TAGS.items()}
+
+
+def _host(a: mx.array) -> np.ndarray:
+    """An evaluated array's bytes on the host (bfloat16 as its bits)."""
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
 
 
 def disk_dtype_supported(dtype: mx.Dtype) -> bool:
@@ -65,7 +74,7 @@ def disk_identity(model: nn.Module, pool: KVPool) -> dict:
     """What pages on disk must have been computed by to be used with ``model`` in
     ``pool``: the model (weights and settings), the K/V's dtype, page size and layers, and
     the versions of mlx-lm and of the file format."""
-    return {
+    identity = {
         "model": model_fingerprint(model),
         "kv_dtype": str(pool.dtype),
         "page_size": pool.page_size,
@@ -73,6 +82,10 @@ def disk_identity(model: nn.Module, pool: KVPool) -> dict:
         "mlx_lm": mlx_lm.__version__,
         "format": FORMAT,
     }
+    if pool.recurrent:
+        # A hybrid's cache layout: which entries are recurrent, and their arrays.
+        identity["recurrent"] = [[e, pool.state_sizes[e]] for e in pool.recurrent]
+    return identity
 
 
 # The prefill probe at load: prompts of 16, 32, ... tokens until one takes this long (or
@@ -137,6 +150,12 @@ class Tiering:
         # first, with their count of tokens.
         self._later: dict[tuple[Hashable, bytes], int] = {}
         self._later_tokens = 0
+        # A hybrid model's recurrent states (``save_states``): gathered, not yet written, as
+        # (pump, key, its page's key, the page's depth, arrays); the snapshots already
+        # stored; and whether a snapshot hung on the tree since the last look.
+        self._pending_states: list[tuple[int, str, str, int, list]] = []
+        self._states_saved: weakref.WeakSet[Snapshot] = weakref.WeakSet()
+        self.states_due = False
 
     # -- hashes ----------------------------------------------------------------------
 
@@ -225,7 +244,7 @@ class Tiering:
         """Hand the gathers that have run to the writer: those queued before the step that
         mlx-lm last waited for (or all of them, waiting, with ``everything``)."""
         self._pumps += 1
-        if not self._pending:
+        if not self._pending and not self._pending_states:
             return
         ready, waiting = [], []
         for p in self._pending:
@@ -247,6 +266,118 @@ class Tiering:
                 self._pending_keys.discard(key)
             if dropped and self.disk.enabled:
                 self._remember(namespace, prefix[: dropped * ps])
+        # After the pages: a state whose page is neither stored nor queued is not written.
+        ready = [p for p in self._pending_states if everything or p[0] <= self._pumps - 2]
+        self._pending_states = [p for p in self._pending_states if p not in ready]
+        for _, key, page, depth, arrays in ready:
+            mx.eval([a for _, a in arrays])
+            tensors = {name: (TAGS[a.dtype], _host(a)) for name, a in arrays}
+            self.disk.put(key, page, depth + 1, (), tensors, state=True)
+
+    def save_states(
+        self, tree: RadixTree, snapshots: SnapshotStore, everything: bool = False
+    ) -> int:
+        """Queue the recurrent states hanging on ``tree``'s nodes at page ends whose page
+        the disk holds or is about to, and that are not stored yet (only when ``states_due``,
+        set as a snapshot hangs, unless ``everything``); returns how many. Gathered behind the
+        step, written at a later ``pump``, after the pages."""
+        if not (self.states_due or everything) or not self.disk.enabled:
+            return 0
+        self.states_due = False
+        ps, queued = self.pool.page_size, 0
+        for node in snapshots.nodes():
+            if node.snapshot is None or node.snapshot in self._states_saved:
+                continue
+            namespace, tokens = tree.path_of(node)
+            if not tokens or len(tokens) % ps:
+                continue  # at the end of a tail: the disk holds whole pages only
+            page = self.hashes(namespace, tokens, len(tokens) // ps)[-1]
+            if page not in self._pending_keys and not self.disk.has(page):
+                continue  # its page is not on disk (yet): looked at again when one hangs
+            self._states_saved.add(node.snapshot)
+            key = state_key(page)
+            arrays = self._state_arrays(node.snapshot)
+            if self.disk.has(key) or arrays is None:
+                continue
+            mx.async_eval([a for _, a in arrays])
+            depth = len(tokens) // ps - 1
+            self._pending_states.append((self._pumps, key, page, depth, arrays))
+            queued += 1
+        return queued
+
+    def _state_arrays(self, snapshot: Snapshot) -> list[tuple[str, mx.array]] | None:
+        """A snapshot's arrays by name (``s.ENTRY.INDEX``), bfloat16 as its bits; None if
+        one has a dtype the disk does not store."""
+        out = []
+        for e, arrays in zip(self.pool.recurrent, snapshot.arrays):
+            for j, a in enumerate(arrays):
+                if a is None:
+                    continue
+                if a.dtype not in TAGS:
+                    return None
+                out.append((f"s.{e}.{j}", a))
+        return out
+
+    def restore_state(
+        self,
+        tree: RadixTree,
+        snapshots: SnapshotStore,
+        namespace: Hashable,
+        tokens: Sequence[int],
+        match: MatchResult,
+    ) -> int:
+        """Read the deepest recurrent state on disk at a page end of ``match``, deeper than
+        any snapshot the matched nodes hold, and hang it on its node; returns its position
+        (0: none read). A hybrid's fetch then resumes there, not at an earlier snapshot."""
+        if not self.disk.enabled or not self.pool.recurrent:
+            return 0
+        ps = self.pool.page_size
+        node, at = match.node, match.length
+        while not node.is_root and node not in snapshots:
+            at -= len(node.tokens)
+            node = node.parent
+        have, end = (0 if node.is_root else at) // ps, match.length // ps
+        if end <= have or not self.worth_reading():
+            return 0
+        keys = self.hashes(namespace, tokens, end)
+        for k in range(end, have, -1):
+            key = state_key(keys[k - 1])
+            if key not in self.disk:
+                continue
+            began = time.perf_counter()
+            snapshot = self._snapshot(self.disk.read(key, keys[k - 1], ()))
+            if snapshot is None:
+                continue
+            holder = tree.node_ending_at(namespace, tokens[: k * ps])
+            if holder is None or not snapshots.put(holder, snapshot, snapshot.nbytes):
+                return 0
+            self._states_saved.add(snapshot)
+            self.disk.counters.restore_seconds += time.perf_counter() - began
+            return k * ps
+        return 0
+
+    def _snapshot(self, read: dict | None) -> Snapshot | None:
+        """The snapshot a state read back holds; None if it is not one of this model's."""
+        if read is None:
+            return None
+        arrays, nbytes = [], 0
+        for e in self.pool.recurrent:
+            entry = []
+            for j in range(self.pool.state_sizes[e]):
+                tensor = read.get(f"s.{e}.{j}")
+                if tensor is None:
+                    entry.append(None)
+                    continue
+                tag, host = tensor
+                if tag not in TAG_DTYPES:
+                    return None
+                a = mx.array(host)
+                entry.append(a.view(mx.bfloat16) if tag == "BF16" else a)
+                nbytes += host.nbytes
+            arrays.append(tuple(entry))
+        if not nbytes:
+            return None
+        return Snapshot(tuple(arrays), nbytes)
 
     def _remember(self, namespace: Hashable, tokens: Sequence[int]) -> None:
         """Remember to write the pages up to the end of ``tokens`` when idle: one entry a
@@ -290,9 +421,12 @@ class Tiering:
                 break  # put back, no room for it yet
         return bool(self._later)
 
-    def save_tree(self, tree: RadixTree, deadline: float) -> int:
-        """Queue every whole page of ``tree`` the disk lacks, then write them all, until
-        ``deadline`` (``time.monotonic()``); returns the pages queued."""
+    def save_tree(
+        self, tree: RadixTree, deadline: float, snapshots: SnapshotStore | None = None
+    ) -> int:
+        """Queue every whole page of ``tree`` the disk lacks, and the recurrent states of
+        ``snapshots`` at their ends, then write them all, until ``deadline``
+        (``time.monotonic()``); returns the pages queued."""
         before = self.disk.counters.pages_written
         self.pump(everything=True)
         self._forget_later()  # the walk below covers them
@@ -308,6 +442,8 @@ class Tiering:
                     break  # a page larger than the queue's room: once it is empty
             if time.monotonic() > deadline or not self.disk.enabled:
                 break
+        if snapshots is not None and self.save_states(tree, snapshots, everything=True):
+            self.pump(everything=True)
         self.disk.flush(max(0.0, deadline - time.monotonic()))
         return self.disk.counters.pages_written - before
 

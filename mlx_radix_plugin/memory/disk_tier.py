@@ -13,6 +13,10 @@ sees nothing. The header of each file repeats its identity, hash, parent, depth 
 and a CRC-32 of its data: a file that is truncated, corrupt or foreign fails the check, is
 logged once, moved aside (``quarantine/``) and served as a miss.
 
+A hybrid model's recurrent state at the end of a page is an entry of its own (``state``),
+named by a hash of that page's, with the page as its parent and no tokens: a leaf that
+eviction takes before its page, and that no chain's tokens include.
+
 Writes run on a thread of their own, from host (numpy) arrays the caller hands over: no
 MLX work, and a queue bounded in bytes that drops a write rather than wait. A file is
 written under a temporary name and renamed when complete, so a process killed mid-write
@@ -86,6 +90,7 @@ DISK_STATS = (
     "disk_writes_dropped",
     "disk_corrupt",
     "disk_pages",
+    "disk_states",
     "disk_bytes",
     "disk_bytes_max",
     "disk_restore_seconds",
@@ -107,6 +112,11 @@ def chain_seed(extra: Hashable) -> bytes:
     return hashlib.blake2b(repr(extra).encode(), digest_size=16).digest()
 
 
+def state_key(page_key: str) -> str:
+    """The key of a hybrid model's recurrent state at the end of page ``page_key``."""
+    return hashlib.blake2b(f"{page_key}/state".encode(), digest_size=16).hexdigest()
+
+
 def page_hashes(seed: bytes, tokens: Sequence[int], n_pages: int, page_size: int) -> list[str]:
     """The chain hashes of the first ``n_pages`` whole pages of ``tokens``."""
     out, h = [], seed
@@ -125,6 +135,9 @@ class Entry:
     nbytes: int
     stamp: float  # last use
     synced: float = 0.0  # the last use the file's modification time says
+    # A hybrid model's recurrent state at the end of its parent page, not a page: a leaf
+    # that goes before its page, and no part of a chain's tokens.
+    state: bool = False
 
 
 @dataclass
@@ -222,6 +235,7 @@ class DiskTier:
         self._entries: dict[str, Entry] = {}
         self._children: dict[str, set[str]] = {}
         self._bytes = 0
+        self._states = 0  # entries that are recurrent states
         self._lock = threading.Lock()
         self._queue: deque[tuple] = deque()
         self._queued: set[str] = set()
@@ -268,12 +282,17 @@ class DiskTier:
     def sample(self, n: int) -> list[str]:
         """Up to ``n`` of the most recently used pages."""
         with self._lock:
-            return heapq.nlargest(n, self._entries, key=lambda k: self._entries[k].stamp)
+            pages = [k for k, e in self._entries.items() if not e.state]
+            return heapq.nlargest(n, pages, key=lambda k: self._entries[k].stamp)
 
     def recent_leaves(self) -> list[str]:
         """The pages no stored page follows (sequences' ends), most recently used first."""
         with self._lock:
-            leaves = [k for k in self._entries if k not in self._children]
+            leaves = [
+                k
+                for k, e in self._entries.items()
+                if not e.state and all(self._entries[c].state for c in self._children.get(k, ()))
+            ]
             return sorted(leaves, key=lambda k: -self._entries[k].stamp)
 
     def chain_tokens(self, key: str) -> list[int] | None:
@@ -325,7 +344,8 @@ class DiskTier:
                     if not isinstance(parent, str) or not isinstance(key, str):
                         raise ValueError("hashes are not strings")
                     mtime = stat.st_mtime
-                    entry = Entry(parent, int(meta["depth"]), stat.st_size, mtime, synced=mtime)
+                    entry = Entry(parent, int(meta["depth"]), stat.st_size, mtime, mtime)
+                    entry.state = meta.get("kind") == "state"
                 except (OSError, *BAD_FILE) as e:
                     self._quarantine(path, f"unreadable at start ({e})")
                     continue
@@ -337,6 +357,7 @@ class DiskTier:
         self._entries[key] = entry
         self._children.setdefault(entry.parent, set()).add(key)
         self._bytes += entry.nbytes
+        self._states += entry.state
 
     # -- lookups and reads (the generation thread) ------------------------------------
 
@@ -451,9 +472,11 @@ class DiskTier:
         depth: int,
         tokens: Sequence[int],
         tensors: Mapping[str, tuple[str, np.ndarray]],
+        state: bool = False,
     ) -> bool:
-        """Queue page ``key`` for writing; False if it was dropped (the queue is full or
-        the tier is off). Already stored or queued: True, nothing queued."""
+        """Queue page ``key`` for writing (``state``: a recurrent state at the end of page
+        ``parent``, with no tokens); False if it was dropped (the queue is full or the tier
+        is off). Already stored or queued: True, nothing queued."""
         nbytes = sum(a.nbytes for _, a in tensors.values())
         with self._lock:
             if self.off_reason is not None:
@@ -463,7 +486,7 @@ class DiskTier:
             if self._queued_bytes + nbytes > QUEUE_BYTES and self._queue:
                 self.counters.writes_dropped += 1
                 return False
-            self._queue.append((key, parent, depth, list(tokens), dict(tensors), nbytes))
+            self._queue.append((key, parent, depth, list(tokens), dict(tensors), nbytes, state))
             self._queued.add(key)
             self._queued_bytes += nbytes
             self._wake.notify()
@@ -560,9 +583,9 @@ class DiskTier:
                     pass
             doomed, size, lost = [], None, orphan
             if job is not None and not orphan:
-                key, parent, depth, tokens, tensors, nbytes = job
+                key, parent, depth, tokens, tensors, nbytes, state = job
                 try:
-                    size = self._write_page(key, parent, depth, tokens, tensors)
+                    size = self._write_page(key, parent, depth, tokens, tensors, state)
                 except FileNotFoundError as e:
                     if self.dir.parent.is_dir():
                         # Our temporary file was removed under us (``cache clear`` while
@@ -576,7 +599,7 @@ class DiskTier:
             with self._lock:
                 self._busy = False
                 if job is not None:
-                    key, parent, depth, _, _, nbytes = job
+                    key, parent, depth, _, _, nbytes, state = job
                     self._queued.discard(key)
                     self._queued_bytes -= nbytes
                     self._room.notify_all()
@@ -584,7 +607,7 @@ class DiskTier:
                         self.counters.writes_dropped += 1
                     if size is not None and self.off_reason is None:
                         now = time.time()
-                        self._add(key, Entry(parent, depth, size, now, synced=now))
+                        self._add(key, Entry(parent, depth, size, now, now, state))
                         self.counters.pages_written += 1
                         doomed = self._evict_over_budget()
                 if not self._queue:
@@ -594,7 +617,7 @@ class DiskTier:
             # dropped here is no longer stored, so no write of it can be under way.
             _unlink(doomed)
 
-    def _write_page(self, key, parent, depth, tokens, tensors) -> int:
+    def _write_page(self, key, parent, depth, tokens, tensors, state=False) -> int:
         metadata = {
             "format": FORMAT,
             "identity": self.id,
@@ -602,6 +625,7 @@ class DiskTier:
             "parent": parent,
             "depth": str(depth),
             "tokens": json.dumps(list(tokens)),
+            **({"kind": "state"} if state else {}),
         }
         head, pieces = _encode(tensors, metadata)
         path = self.path_of(key)
@@ -682,6 +706,7 @@ class DiskTier:
             if entry is None:
                 continue
             self._bytes -= entry.nbytes
+            self._states -= entry.state
             siblings = self._children.get(entry.parent)
             if siblings is not None:
                 siblings.discard(k)
@@ -703,7 +728,8 @@ class DiskTier:
             "disk_pages_written": c.pages_written,
             "disk_writes_dropped": c.writes_dropped,
             "disk_corrupt": c.corrupt,
-            "disk_pages": len(self._entries),
+            "disk_pages": len(self._entries) - self._states,
+            "disk_states": self._states,
             "disk_bytes": self._bytes,
             "disk_bytes_max": self.budget_bytes,
             "disk_restore_seconds": round(c.restore_seconds, 6),

@@ -422,6 +422,17 @@ class RadixTree:
                 yield key, tokens, self.path_pages(node)
                 stack.extend((child, tokens) for child in node.children.values())
 
+    def path_of(self, node: TreeNode) -> tuple[Hashable, list[int]]:
+        """The namespace ``node`` is in and the tokens from its root to ``node``'s end."""
+        runs, top = [], node
+        while not top.is_root:
+            runs.append(top.tokens)
+            top = top.parent
+        for key, ns in self._namespaces.items():
+            if ns.root is top:
+                return key, [t for run in reversed(runs) for t in run]
+        raise ValueError("the node is in no namespace of this tree (it was removed)")
+
     def path_pages(self, node: TreeNode) -> list[int]:
         """The pages from the root to the end of ``node``."""
         runs = []

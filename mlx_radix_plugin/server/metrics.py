@@ -94,6 +94,11 @@ METRICS = {
         "Files on disk that failed their check and were moved aside.",
     ),
     "disk_pages": ("mlx_radix_disk_pages", "gauge", "Pages the disk tier holds."),
+    "disk_states": (
+        "mlx_radix_disk_states",
+        "gauge",
+        "Recurrent states (hybrid models) the disk tier holds.",
+    ),
     "disk_bytes": ("mlx_radix_disk_bytes", "gauge", "Bytes of the pages on disk."),
     "disk_bytes_max": ("mlx_radix_disk_bytes_max", "gauge", "The disk tier's budget in bytes."),
     "disk_restores_skipped": (

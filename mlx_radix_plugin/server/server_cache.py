@@ -241,13 +241,6 @@ class ServerPromptCache:
     def _disk_tier(self, pool: KVPool, model, model_key: Hashable, cli_args) -> Tiering | None:
         """The disk tier under ``pool``, or None (and why, logged) when it cannot be used."""
         cfg = self.config
-        if pool.recurrent:
-            log.warning(
-                "disk tier off for %s: a hybrid model resumes from recurrent-state snapshots, "
-                "which the disk tier does not hold",
-                model_key,
-            )
-            return None
         if ranks.size() > 1:
             log.warning(
                 "disk tier off: under mlx.launch (%d ranks) each rank would need files of its "
@@ -318,7 +311,7 @@ class ServerPromptCache:
         deadline = time.monotonic() + seconds
         with radix.pool.lock:
             radix.pool.run_deferred()
-            written = tiering.save_tree(radix.tree, deadline)
+            written = tiering.save_tree(radix.tree, deadline, radix.snapshots)
         done = tiering.disk.close(max(0.0, deadline - time.monotonic()))
         radix.tiering = None
         log.info(
@@ -360,6 +353,8 @@ class ServerPromptCache:
                 radix.tiering.pump(everything=True)
                 with radix.pool.lock:
                     radix.tiering.write_later(radix.tree)
+                    if radix.tiering.save_states(radix.tree, radix.snapshots):
+                        radix.tiering.pump(everything=True)
         self.pins.run_jobs()
         if ranks.size() > 1:
             # Every rank is idle at once (mlx_lm.server shares rank 0's empty queue), and has

@@ -307,7 +307,7 @@ def disk_violations(stats: dict, required: bool = False) -> list[str]:
     """What must hold of the disk tier at any moment; ``required``: it must be on."""
     if not stats.get("disk_enabled"):
         if required:
-            return ["the disk tier is off (a hybrid model, or a disk that failed: see the log)"]
+            return ["the disk tier is off (a disk that failed, or mlx.launch: see the log)"]
         return []
     bad = []
     if stats["disk_bytes"] > stats["disk_bytes_max"]:
