@@ -19,9 +19,9 @@ from tiny_models import HYBRID_ARCHS
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
 from mlx_radix_plugin.cache.tiering import Tiering, disk_identity
-from mlx_radix_plugin.memory.disk_tier import DiskTier, state_key
 from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
 from mlx_radix_plugin.engine.generator import RadixBatchGenerator
+from mlx_radix_plugin.memory.disk_tier import DiskTier, state_key
 
 PS = 4
 MAX_TOKENS = 8
@@ -47,9 +47,7 @@ class Server:
     """What mlx_lm.server does with the plugin's engine: fetch, cut the prompt's segments
     by what was cached, insert; commit at segment ends and at the finish."""
 
-    def __init__(
-        self, model, tokenizer, snapshot_mib=None, every=64, pool_tokens=4096, disk=None
-    ):
+    def __init__(self, model, tokenizer, snapshot_mib=None, every=64, pool_tokens=4096, disk=None):
         pool = KVPool.for_model(
             model,
             page_size=PS,
