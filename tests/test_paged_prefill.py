@@ -50,6 +50,9 @@ def prefill_run(model, tok, rpc, prompts, *, prefill, step, late=()):
         if steps == 2 and late:
             who.update(admit_rows(list(late)))
         paged.append(any(isinstance(c, PagedBatchKVCache) for c in gen._prompt_batch.prompt_cache))
+        for c in gen._prompt_batch.prompt_cache:
+            if isinstance(c, PagedBatchKVCache):  # the host's copy of the padding is the device's
+                assert c._padding == c.left_padding.tolist()
         responses = gen.next()[1]
         steps += bool(responses)
         for r in responses:
@@ -301,3 +304,29 @@ def test_a_pass_whose_scores_would_pass_the_working_set_takes_fewer_queries(load
         for a, b in zip(logits[i], steps):
             scale = mx.abs(b).max().item()
             assert mx.abs(a - b).max().item() <= FIDELITY_TOLERANCE * scale
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_a_pass_empties_mlx_s_buffer_cache_only_where_the_server_does_not_bound_it(
+    loaded, monkeypatch, bounded
+):
+    """Stock empties MLX's cache of freed buffers after every prompt pass; under the bound the
+    server sets (``radix.buffer_cache_fraction``) the pool's prompt passes leave it, and the
+    tokens are the same either way."""
+    model, tok = loaded("llama")
+    prompts = [tok.encode("Once upon a time, in a quiet town by the sea,"), tok.encode("Hi")]
+    stock = run_batch(model, tok, prompts, max_tokens=4, step=8)
+    rpc = radix(model)
+    rpc.pool.buffer_cache_bounded = bounded
+    emptied = []
+    real = mx.clear_cache
+    monkeypatch.setattr(mx, "clear_cache", lambda: emptied.append(1) or real())
+    gen = RadixBatchGenerator(model, rpc, prefill_step_size=8)
+    uids = admit(gen, rpc, prompts, [4] * 2, logits_processors=[[no_eos(tok.eos_token_ids)]] * 2)
+    out = {u: [] for u in uids}
+    while sum(map(len, out.values())) < 8:
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+    gen.close()
+    assert [out[u] for u in uids] == stock
+    assert bool(emptied) is not bounded

@@ -52,12 +52,16 @@ class PagedBatchKVCache:
         self.view = view  # what extract() hands back (a PoolBackedCache)
         longest = max(rows.lengths, default=0)
         self.left_padding = mx.array(left_padding)
+        # The same on the host: a split filters every layer's rows, and reading the device's
+        # copy there waited for the device once a layer (on the H200, 8B: 24 ms of a burst's
+        # first decode step, 64 reads as 32 rows left their prompt batch).
+        self._padding = list(left_padding)
         self.offset = mx.array([longest - p for p in left_padding])
         self._idx = longest  # stock's buffer columns in use
         # Its columns (``PoolBatchKVCache._merged``: room for the rest of the prompt).
         rest = max(1, max((len(t.tokens or ()) - n for t, n in zip(rows.tables, rows.lengths))))
         self._capacity = longest + -(-rest // STEP) * STEP if longest else 0
-        self._right_padding: mx.array | None = None
+        self._right_padding: list[int] | None = None
         # This layer's K/V of the last pass, what ``state`` evaluates. A pipelined model
         # (``--pipeline``) ties its send to the last layer's cache, ``cache[-1].keys =
         # mx.depends(cache[-1].keys, h)``: evaluating ``state`` then runs it.
@@ -190,15 +194,17 @@ class PagedBatchKVCache:
         if left_padding is not None:
             raise ValueError("left padding is set when a paged prompt batch is made")
         if right_padding is not None and max(right_padding) > 0:
-            self._right_padding = mx.array(right_padding)
+            self._right_padding = list(right_padding)
             self.rows.prepare(lengths)
 
     def finalize(self):
         # Stock rolls its buffer so that a short row's padding moves to the left; the pool
         # holds only real tokens, and the next pass lays them out right-aligned anyway.
         if self._right_padding is not None:
-            self.offset = self.offset - self._right_padding
-            self.left_padding = self.left_padding + self._right_padding
+            right = mx.array(self._right_padding)
+            self.offset = self.offset - right
+            self.left_padding = self.left_padding + right
+            self._padding = [p + r for p, r in zip(self._padding, self._right_padding)]
             self._right_padding = None
         self.rows.finalize()
 
@@ -206,20 +212,25 @@ class PagedBatchKVCache:
         keep = list(batch_indices)
         self.offset = self.offset[mx.array(keep)] if keep else self.offset[:0]
         self.left_padding = self.left_padding[mx.array(keep)] if keep else self.left_padding[:0]
+        self._padding = [self._padding[i] for i in keep]
         self.rows.once(lambda: self.rows.filter(keep))
         if keep:
             # Drop columns every row pads, as stock shifts its buffer.
-            shift = min(self.left_padding.tolist())
+            shift = min(self._padding)
             if shift > 0:
                 self._idx -= shift
                 self._capacity -= shift
                 self.left_padding = self.left_padding - shift
+                self._padding = [p - shift for p in self._padding]
 
     def extend(self, other: PagedBatchKVCache):
         longest = max(self._idx, other._idx)
         self.left_padding = mx.concatenate(
             [self.left_padding + (longest - self._idx), other.left_padding + (longest - other._idx)]
         )
+        self._padding = [p + longest - self._idx for p in self._padding] + [
+            p + longest - other._idx for p in other._padding
+        ]
         self.offset = mx.concatenate([self.offset, other.offset])
         self._idx = longest
         if self._capacity or other._capacity:

@@ -252,6 +252,9 @@ class KVPool:
         # layer's scores have (engine/prefill_path.py). None: no bound.
         self.prefill_working_bytes: int | None = None
         self.query_heads: int | None = None
+        # Whether the server bounds MLX's cache of freed buffers (mx.set_cache_limit): a
+        # prompt pass then leaves the cache as it is (engine/prefill_path.py).
+        self.buffer_cache_bounded = False
         if chunk_pages is None:
             self._grow()
 

@@ -335,6 +335,8 @@ class ServerPromptCache:
         )
         mx.set_cache_limit(limit)
         self.buffer_cache_limit = limit
+        if self.radix is not None:
+            self.radix.pool.buffer_cache_bounded = True
         log.info("MLX buffer cache limit: %.1f MiB", limit / 2**20)
         if mx.metal.is_available():
             # What stays wired (never paged out) on a Mac: the model, the pool's ceiling and
