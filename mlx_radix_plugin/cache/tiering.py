@@ -286,11 +286,9 @@ class Tiering:
         self.states_due = False
         ps, queued = self.pool.page_size, 0
         for node in snapshots.nodes():
-            if node.snapshot is None or node.snapshot in self._states_saved:
-                continue
+            if node.snapshot is None or node.snapshot in self._states_saved or tree.is_tail(node):
+                continue  # (a tail's, a finished request's exact end: the disk holds whole pages)
             namespace, tokens = tree.path_of(node)
-            if not tokens or len(tokens) % ps:
-                continue  # at the end of a tail: the disk holds whole pages only
             page = self.hashes(namespace, tokens, len(tokens) // ps)[-1]
             if page not in self._pending_keys and not self.disk.has(page):
                 continue  # its page is not on disk (yet): looked at again when one hangs
