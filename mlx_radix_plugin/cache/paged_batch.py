@@ -51,11 +51,7 @@ class PagedBatchKVCache:
         self.layer = layer
         self.view = view  # what extract() hands back (a PoolBackedCache)
         longest = max(rows.lengths, default=0)
-        self.left_padding = mx.array(left_padding)
-        # The same on the host: a split filters every layer's rows, and reading the device's
-        # copy there waited for the device once a layer (on the H200, 8B: 24 ms of a burst's
-        # first decode step, 64 reads as 32 rows left their prompt batch).
-        self._padding = list(left_padding)
+        self._set_padding(list(left_padding))
         self.offset = mx.array([longest - p for p in left_padding])
         self._idx = longest  # stock's buffer columns in use
         # Its columns (``PoolBatchKVCache._merged``: room for the rest of the prompt).
@@ -187,6 +183,14 @@ class PagedBatchKVCache:
             kept = self._capacity if self._idx % STEP == 0 else self._idx
             self._capacity = (kept if self._capacity else 0) + steps
 
+    def _set_padding(self, padding: list[int]) -> None:
+        """Each row's left padding, kept on the host and copied to the device: a split
+        filters every layer's rows, and reading the device's copy there waited for the device
+        once a layer (on the H200, 8B: 24 ms of a burst's first decode step, 64 reads as 32
+        rows left their prompt batch)."""
+        self._padding = padding
+        self.left_padding = mx.array(padding, dtype=mx.int32)
+
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
 
@@ -201,36 +205,27 @@ class PagedBatchKVCache:
         # Stock rolls its buffer so that a short row's padding moves to the left; the pool
         # holds only real tokens, and the next pass lays them out right-aligned anyway.
         if self._right_padding is not None:
-            right = mx.array(self._right_padding)
-            self.offset = self.offset - right
-            self.left_padding = self.left_padding + right
-            self._padding = [p + r for p, r in zip(self._padding, self._right_padding)]
+            self.offset = self.offset - mx.array(self._right_padding)
+            self._set_padding([p + r for p, r in zip(self._padding, self._right_padding)])
             self._right_padding = None
         self.rows.finalize()
 
     def filter(self, batch_indices):
         keep = list(batch_indices)
         self.offset = self.offset[mx.array(keep)] if keep else self.offset[:0]
-        self.left_padding = self.left_padding[mx.array(keep)] if keep else self.left_padding[:0]
-        self._padding = [self._padding[i] for i in keep]
         self.rows.once(lambda: self.rows.filter(keep))
-        if keep:
-            # Drop columns every row pads, as stock shifts its buffer.
-            shift = min(self._padding)
-            if shift > 0:
-                self._idx -= shift
-                self._capacity -= shift
-                self.left_padding = self.left_padding - shift
-                self._padding = [p - shift for p in self._padding]
+        # Drop columns every row pads, as stock shifts its buffer.
+        shift = min((self._padding[i] for i in keep), default=0)
+        self._set_padding([self._padding[i] - shift for i in keep])
+        self._idx -= shift
+        self._capacity -= shift
 
     def extend(self, other: PagedBatchKVCache):
         longest = max(self._idx, other._idx)
-        self.left_padding = mx.concatenate(
-            [self.left_padding + (longest - self._idx), other.left_padding + (longest - other._idx)]
+        self._set_padding(
+            [p + longest - self._idx for p in self._padding]
+            + [p + longest - other._idx for p in other._padding]
         )
-        self._padding = [p + longest - self._idx for p in self._padding] + [
-            p + longest - other._idx for p in other._padding
-        ]
         self.offset = mx.concatenate([self.offset, other.offset])
         self._idx = longest
         if self._capacity or other._capacity:

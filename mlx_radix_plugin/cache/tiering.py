@@ -58,7 +58,6 @@ log = logging.getLogger("mlx_radix")
 
 # The K/V dtype's name in safetensors; bfloat16's bits travel as uint16 (numpy has none).
 TAGS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
-TAG_DTYPES = {tag: dtype for dtype, tag in TAGS.items()}
 
 
 def _host(a: mx.array) -> np.ndarray:
@@ -246,10 +245,7 @@ class Tiering:
         self._pumps += 1
         if not self._pending and not self._pending_states:
             return
-        ready, waiting = [], []
-        for p in self._pending:
-            (ready if everything or p[0] <= self._pumps - 2 else waiting).append(p)
-        self._pending = waiting
+        ready, self._pending = self._due(self._pending, everything)
         ps = self.pool.page_size
         for _, namespace, prefix, meta, arrays in ready:
             mx.eval(arrays)  # a no-op unless ``everything``: they have run
@@ -267,12 +263,20 @@ class Tiering:
             if dropped and self.disk.enabled:
                 self._remember(namespace, prefix[: dropped * ps])
         # After the pages: a state whose page is neither stored nor queued is not written.
-        ready = [p for p in self._pending_states if everything or p[0] <= self._pumps - 2]
-        self._pending_states = [p for p in self._pending_states if p not in ready]
+        ready, self._pending_states = self._due(self._pending_states, everything)
         for _, key, page, depth, arrays in ready:
             mx.eval([a for _, a in arrays])
             tensors = {name: (TAGS[a.dtype], _host(a)) for name, a in arrays}
             self.disk.put(key, page, depth + 1, (), tensors, state=True)
+
+    def _due(self, pending: list, everything: bool) -> tuple[list, list]:
+        """``pending`` gathers (each led by the pump it was queued at) split into those that
+        have run (queued before the step mlx-lm last waited for; all with ``everything``)
+        and the rest."""
+        ready, waiting = [], []
+        for p in pending:
+            (ready if everything or p[0] <= self._pumps - 2 else waiting).append(p)
+        return ready, waiting
 
     def save_states(
         self, tree: RadixTree, snapshots: SnapshotStore, everything: bool = False
@@ -327,7 +331,7 @@ class Tiering:
         """Read the deepest recurrent state on disk at a page end of ``match``, deeper than
         any snapshot the matched nodes hold, and hang it on its node; returns its position
         (0: none read). A hybrid's fetch then resumes there, not at an earlier snapshot."""
-        if not self.disk.enabled or not self.pool.recurrent:
+        if not self.disk.enabled or not self.pool.recurrent or not self.disk.has_states:
             return 0
         ps = self.pool.page_size
         node, at = match.node, match.length
@@ -367,10 +371,9 @@ class Tiering:
                     entry.append(None)
                     continue
                 tag, host = tensor
-                if tag not in TAG_DTYPES:
+                if tag not in TAGS.values():
                     return None
-                a = mx.array(host)
-                entry.append(a.view(mx.bfloat16) if tag == "BF16" else a)
+                entry.append(self._array([host], tag))
                 nbytes += host.nbytes
             arrays.append(tuple(entry))
         if not nbytes:
@@ -560,6 +563,7 @@ class Tiering:
                     return False
         return True
 
-    def _array(self, parts: list[np.ndarray]) -> mx.array:
+    def _array(self, parts: list[np.ndarray], tag: str | None = None) -> mx.array:
+        """``parts`` read back as one array of dtype ``tag`` (default: the K/V's)."""
         x = mx.array(np.concatenate(parts) if len(parts) > 1 else parts[0])
-        return x.view(mx.bfloat16) if self.tag == "BF16" else x
+        return x.view(mx.bfloat16) if (tag or self.tag) == "BF16" else x

@@ -271,6 +271,11 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def has_states(self) -> bool:
+        """Whether any recurrent state (a hybrid model's) is stored."""
+        return self._states > 0
+
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
@@ -344,8 +349,8 @@ class DiskTier:
                     if not isinstance(parent, str) or not isinstance(key, str):
                         raise ValueError("hashes are not strings")
                     mtime = stat.st_mtime
-                    entry = Entry(parent, int(meta["depth"]), stat.st_size, mtime, mtime)
-                    entry.state = meta.get("kind") == "state"
+                    state = meta.get("kind") == "state"
+                    entry = Entry(parent, int(meta["depth"]), stat.st_size, mtime, mtime, state)
                 except (OSError, *BAD_FILE) as e:
                     self._quarantine(path, f"unreadable at start ({e})")
                     continue
