@@ -186,6 +186,14 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "on", "off"),
     ),
     Setting(
+        "prefill.shared_prefix",
+        "auto",
+        "rows of a prompt batch that share a cached prefix read it once a layer, in one "
+        "attention call (auto: where that holds less than each row reading its own; logits "
+        "within the fidelity tolerance; off: each row reads its own, stock's logits bitwise)",
+        choices=("auto", "on", "off"),
+    ),
+    Setting(
         "model.fuse_projections",
         "auto",
         "compute a layer's q/k/v projections as one matmul, and an MLP's gate/up as one "

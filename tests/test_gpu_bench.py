@@ -106,6 +106,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert shape["shape"] == "tiny" and "error" not in shape
     assert report["radix_settings"] == {
         "decode.shared_prefix": "on",
+        "prefill.shared_prefix": "auto",
         "model.fuse_projections": "auto",
         "server.front": "on",  # every workload through the HTTP front, as on a GPU
     }

@@ -18,15 +18,17 @@ from mlx_radix_plugin.engine.generator import RadixBatchGenerator
 from mlx_radix_plugin.engine.prefill_path import is_paged
 
 
-def prefill_run(model, tok, rpc, prompts, *, prefill, step, late=()):
-    """The engine (exact decode) on ``prompts``; those in ``late`` join two steps in.
-    Returns tokens and logits per request, and whether a prompt batch read the pool."""
+def prefill_run(model, tok, rpc, prompts, *, prefill, step, late=(), shared="off"):
+    """The engine (exact decode) on ``prompts``; those in ``late`` join two steps in;
+    ``shared``: ``prefill.shared_prefix``. Returns tokens and logits per request, and
+    whether a prompt batch read the pool."""
     rec = Recorder(tok.eos_token_ids)
     gen = RadixBatchGenerator(
         model,
         rpc,
         shared_prefix="off",
         prefill_from_pool=prefill,
+        prefill_shared=shared,
         completion_batch_size=16,
         prefill_batch_size=8,
         prefill_step_size=step,
@@ -98,7 +100,7 @@ def _deep_model():
     return model
 
 
-def _joining_peak(prefill: str, working_bytes: int | None) -> tuple[int, dict]:
+def _joining_peak(prefill: str, working_bytes: int | None, shared: str = "off") -> tuple[int, dict]:
     """MLX's peak over what the pool and weights hold while 8 requests on a cached 1,024-token
     prefix, each 16 tokens of its own, are admitted until all decode; and the sizes the
     tests bound it by."""
@@ -139,6 +141,7 @@ def _joining_peak(prefill: str, working_bytes: int | None) -> tuple[int, dict]:
         rpc,
         shared_prefix="auto",  # the server's default: these rows then decode on one copy
         prefill_from_pool=prefill,
+        prefill_shared=shared,
         completion_batch_size=rows,
         prefill_batch_size=rows,
     )
@@ -155,14 +158,21 @@ def _joining_peak(prefill: str, working_bytes: int | None) -> tuple[int, dict]:
     return peak, sizes
 
 
-@pytest.mark.parametrize("prefill", ["auto", "off"])
-def test_requests_joining_a_cached_prefix_hold_the_named_working_set_outside_the_pool(prefill):
+@pytest.mark.parametrize(
+    "prefill,shared",
+    [("auto", "on"), ("auto", "off"), ("off", "off")],
+    ids=["prefix read once", "each row's own read", "buffer"],
+)
+def test_requests_joining_a_cached_prefix_hold_the_named_working_set_outside_the_pool(
+    prefill, shared
+):
     """What a prefill holds outside the pool is the suffixes' K/V plus the pool's named
-    working set (here one layer's gather and scores), not copies of the prefix (off: a buffer
-    of every row's context in every layer, 16x it). On every backend: CUDA and Metal free a
-    layer's temporaries only once its work has run (on the H200 the pass evaluated whole held
-    about 7 layers' of them), so the pass is evaluated in pieces that keep under the bound."""
-    peak, sizes = _joining_peak(prefill, None)
+    working set (here one layer's gather and scores, each row reading its own context; the
+    grouped read holds less), not copies of the prefix (off: a buffer of every row's context
+    in every layer, 16x it). On every backend: CUDA and Metal free a layer's temporaries only
+    once its work has run (on the H200 the pass evaluated whole held about 7 layers' of
+    them), so the pass is evaluated in pieces that keep under the bound."""
+    peak, sizes = _joining_peak(prefill, None, shared)
     if prefill == "auto":
         assert peak <= sizes["suffix_kv"] + sizes["layer"] + 2**20, (peak, sizes)
     else:
@@ -190,13 +200,27 @@ def test_a_prompt_pass_is_evaluated_in_pieces_its_working_set_bounds(monkeypatch
     assert per_layer - len(evals) >= layers - 1
 
 
-@pytest.mark.parametrize("prefill", ["auto", "off"])
-def test_a_burst_on_a_new_prefix_holds_no_buffer_from_admission_to_decoding(loaded, prefill):
+@pytest.mark.parametrize(
+    "prefill,shared",
+    [("auto", "on"), ("auto", "off"), ("off", "off")],
+    ids=["prefix read once", "each row's own read", "buffer"],
+)
+def test_a_burst_on_a_new_prefix_holds_no_buffer_from_admission_to_decoding(
+    loaded, prefill, shared, monkeypatch
+):
     """8 requests at once on a new 1,024-token prefix: the first computes it, the others
     prefill their suffixes on its pages, then all decode on the shared path (the CPU rule
     takes it for 7k token reads saved a layer). Read from the pool, no batch holds a copy
     of anyone's K/V at any call: not the prompt batches, nor the first request's decode
-    batch while its followers prefill (it waits for them on the shared path)."""
+    batch while its followers prefill (it waits for them on the shared path). With
+    ``prefill.shared_prefix`` at its default, the followers read the prefix once a layer."""
+    from mlx_radix_plugin.cache.grouped_prefill import GroupedPass
+
+    grouped = []
+    plan = GroupedPass.plan.__func__
+    monkeypatch.setattr(
+        GroupedPass, "plan", classmethod(lambda cls, *a: grouped.append(plan(cls, *a)) or grouped[-1])
+    )
     model, tok = loaded("llama")
     rpc = radix(model, tokens=16384)
     prefix = (tok.encode("You are a helpful assistant. ") * 200)[:1024]
@@ -205,6 +229,7 @@ def test_a_burst_on_a_new_prefix_holds_no_buffer_from_admission_to_decoding(load
         rpc,
         shared_prefix="auto",
         prefill_from_pool=prefill,
+        prefill_shared=shared,
         completion_batch_size=8,
         prefill_batch_size=8,
     )
@@ -220,6 +245,11 @@ def test_a_burst_on_a_new_prefix_holds_no_buffer_from_admission_to_decoding(load
         assert max(held) == 0
     else:
         assert max(held) > 0
+    followers = [g for g in grouped if g is not None]
+    assert bool(followers) == (shared == "on")
+    assert rpc.stats()["prefill_passes_grouped"] == len(followers)
+    # The 7 followers' pass gathers the prefix once (and a few tokens a row holds past it).
+    assert all(g.rows == 7 and 1024 <= g.cached < 1024 + 16 * 7 for g in followers)
 
 
 def test_aligned_slots_follow_the_rows_not_only_their_lengths(loaded):
@@ -330,3 +360,71 @@ def test_a_pass_empties_mlx_s_buffer_cache_only_where_the_server_does_not_bound_
     gen.close()
     assert [out[u] for u in uids] == stock
     assert bool(emptied) is not bounded
+
+
+def _recording(monkeypatch, model) -> list:
+    """The logits of every forward pass of ``model``'s class that serves requests, in order
+    (not the lazy pass that checks the attention's call site: ``attention_calls``)."""
+    from mlx_radix_plugin.engine.attention import _Probe
+
+    outputs = []
+    call = type(model).__call__
+
+    def recorded(self, inputs, *args, cache=None, **kwargs):
+        out = call(self, inputs, *args, cache=cache, **kwargs)
+        if not any(isinstance(c, _Probe) for c in cache or ()):
+            outputs.append(out)
+        return out
+
+    monkeypatch.setattr(type(model), "__call__", recorded)
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("step", [2048, 8], ids=["one pass", "passes of 8 tokens"])
+def test_rows_sharing_a_prefix_read_it_once_with_the_per_row_read_s_logits(
+    loaded, arch, step, monkeypatch
+):
+    """``prefill.shared_prefix`` on against off (each row reads its own context, the buffer's
+    logits bitwise): rows on a cached prefix with suffixes of several lengths, a cold
+    prompt, a row on part of the prefix, and a row joining a prompt batch under way. Every
+    pass's float32 logits, at every position, within the tolerance of the per-row read's;
+    greedy tokens equal."""
+    from mlx_radix_plugin.cache.grouped_prefill import GroupedPass
+    from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
+
+    model, tok = loaded(arch)
+    windowed = any(s.window is not None for s in KVPool.for_model(model, pool_tokens=64).specs)
+    if windowed:
+        pytest.skip("a sliding-window layer keeps the batch buffer (prefill_path.enable)")
+    prefix = prefix_of(tok, 40)
+    prompts = [prefix + question(tok, i) * (1 + i % 3) for i in range(4)]
+    prompts += [tok.encode("A cold prompt that nothing cached holds.")]
+    prompts += [prefix[:24] + question(tok, 9)]
+    grouped = []
+    plan = GroupedPass.plan.__func__
+
+    def spy(cls, *args):
+        out = plan(cls, *args)
+        grouped.append(out is not None)
+        return out
+
+    monkeypatch.setattr(GroupedPass, "plan", classmethod(spy))
+    outputs = _recording(monkeypatch, model)
+    runs = {}
+    for shared in ("off", "on"):
+        rpc = radix(model)
+        warm(model, rpc, [prefix])
+        outputs.clear()
+        grouped.clear()
+        tokens, logits, _ = prefill_run(
+            model, tok, rpc, prompts, prefill="auto", step=step, late=(5,), shared=shared
+        )
+        runs[shared] = (tokens, list(outputs), any(grouped))
+    (tokens, passes, took), (exact_tokens, exact_passes, exact_took) = runs["on"], runs["off"]
+    assert took and not exact_took
+    assert tokens == exact_tokens
+    assert [p.shape for p in passes] == [p.shape for p in exact_passes]
+    for a, b in zip(passes, exact_passes):
+        scale = mx.abs(b).max().item()
+        assert mx.abs(a - b).max().item() <= FIDELITY_TOLERANCE * scale, arch

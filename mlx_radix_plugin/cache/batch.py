@@ -139,6 +139,7 @@ class BatchRows:
         # join or leave, and the pass under way.
         self.shared = None
         self.shared_pass = None
+        self.grouped_pass = None  # a prompt pass whose rows share a prefix (grouped_prefill.py)
         self.version = 0  # bumped when rows join or leave
 
     def aligned_slots(self, lengths: list[int], width: int) -> Slots:

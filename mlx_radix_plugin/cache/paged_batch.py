@@ -35,6 +35,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache
 
 from .batch import BatchRows, PoolBatchKVCache, _rows_for
+from .grouped_prefill import GroupedPass
 
 STEP = BatchKVCache.step  # columns the buffer grows by
 # The fewest queries ``query_step`` lets a pass take, whatever the bound: each pass reads
@@ -63,6 +64,9 @@ class PagedBatchKVCache:
         # mx.depends(cache[-1].keys, h)``: evaluating ``state`` then runs it.
         self.keys: mx.array | None = None
         self._values: mx.array | None = None
+        # In a pass whose rows share a prefix (``grouped_prefill.py``): the pass and this
+        # layer's gathered columns, which the patched attention reads; None otherwise.
+        self.grouped: tuple | None = None
 
     @classmethod
     def from_pool_caches(cls, caches: list) -> PagedBatchKVCache:
@@ -72,15 +76,29 @@ class PagedBatchKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         rows = self.rows
-        ctx = rows.ctx or rows.begin(keys.shape[2], staged=True)
+        prev, S = self._idx, keys.shape[2]
+        ctx = rows.ctx
+        if ctx is None:
+            ctx = rows.begin(S, staged=True)
+            per_row = sum(self._layer_bytes(S, prev + S, layer) for layer in range(rows.num_layers))
+            rows.grouped_pass = GroupedPass.plan(rows.pool, rows.tables, rows.lengths, S, per_row)
+            rows.pool.prefill_passes["per_row" if rows.grouped_pass is None else "grouped"] += 1
+        grouped = rows.grouped_pass
+        self._grow(prev + S)
+        # The pool is read before this pass's writes are queued (see the module's notes).
+        if grouped is not None:
+            self._bound(ctx, keys, values, grouped.layer_bytes(self.layer))
+            self.grouped = (grouped, grouped.gather(self.layer, keys.shape[1]))
+            laid_out = (keys, values)
+        else:
+            self._bound(ctx, keys, values, self._layer_bytes(S, prev + S))
+            self.grouped = None
+            context = self._context(prev) if prev else (None, None)
+            self._idx = prev + S
+            laid_out = [x[..., : prev + S, :] for x in self._laid_out(context, (keys, values))]
+        self._idx = prev + S
         if ctx.any:
             ctx.write(rows.pool, self.layer, keys, values)
-        prev, S = self._idx, keys.shape[2]
-        self._grow(prev + S)
-        self._bound(ctx, keys, values, prev + S)
-        context = self._context(prev) if prev else (None, None)
-        self._idx = prev + S
-        laid_out = [x[..., : prev + S, :] for x in self._laid_out(context, (keys, values))]
         # The batch's offsets moved once a pass, shared by every layer (as PoolBatchKVCache).
         if ctx.offset is None:
             ctx.offset = self.offset + S
@@ -89,11 +107,12 @@ class PagedBatchKVCache:
         ctx.calls += 1
         if ctx.calls == rows.num_layers:
             rows.end()
+            rows.grouped_pass = None  # each layer's cache holds it until its attention ran
             # Its writes go to the pool once the reads are done (KVPool.settle).
             rows.pool.reading()
         return laid_out[0], laid_out[1]
 
-    def _bound(self, ctx, keys: mx.array, values: mx.array, columns: int) -> None:
+    def _bound(self, ctx, keys: mx.array, values: mx.array, need: int) -> None:
         """Evaluate the layers before this one when their temporaries and this layer's would
         pass the pool's ``prefill_working_bytes``.
 
@@ -106,7 +125,6 @@ class PagedBatchKVCache:
         budget = self.rows.pool.prefill_working_bytes
         if budget is None:
             return
-        need = self._layer_bytes(keys.shape[2], columns)
         if ctx.pending_bytes and ctx.pending_bytes + need > budget:
             mx.eval(keys, values)
             ctx.pending_bytes = 0
@@ -131,12 +149,12 @@ class PagedBatchKVCache:
             return None
         return max(MIN_QUERY_STEP, step)
 
-    def _layer_bytes(self, queries: int, columns: int) -> int:
-        """One layer's temporaries in a pass of ``queries`` over ``columns``: its rows'
-        context gathered and laid out (two copies as wide as the buffer), and float32 scores
-        of its queries over them."""
+    def _layer_bytes(self, queries: int, columns: int, layer: int | None = None) -> int:
+        """One layer's temporaries (``layer``, this one by default) in a pass of ``queries``
+        over ``columns``: its rows' context gathered and laid out (two copies as wide as the
+        buffer), and float32 scores of its queries over them."""
         pool, rows = self.rows.pool, len(self.rows.tables)
-        spec = pool.specs[self.layer]
+        spec = pool.specs[self.layer if layer is None else layer]
         heads = pool.query_heads or spec.kv_heads
         laid_out = rows * self._capacity * spec.bytes_per_token(pool.dtype)
         return 2 * laid_out + rows * heads * queries * columns * 4

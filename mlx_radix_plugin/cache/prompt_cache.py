@@ -548,6 +548,10 @@ POOL_STATS: dict[str, Callable[[RadixPromptCache], int]] = {
     # Pinned prefixes (server/pins.py): each holds a tree lock on its pages while pinned.
     "pins": lambda c: len(c.pins),
     "pinned_pages": lambda c: c.pinned_pages(),
+    # Prompt passes over the pool whose rows read a shared prefix once (grouped_prefill.py),
+    # and those whose rows each read their own context.
+    "prefill_passes_grouped": lambda c: c.pool.prefill_passes["grouped"],
+    "prefill_passes_per_row": lambda c: c.pool.prefill_passes["per_row"],
     # A hybrid model's recurrent-state snapshots (memory/snapshots.py); 0 for the others.
     "snapshots": lambda c: len(c.snapshots),
     "snapshot_bytes": lambda c: c.snapshots.nbytes,

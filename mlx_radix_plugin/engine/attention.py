@@ -37,7 +37,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
+from ..cache.grouped_prefill import GroupedPass
 from ..cache.offset import OffsetCache
+from ..cache.paged_batch import PagedBatchKVCache
 from ..cache.shared_batch import SharedPass, SharedPrefixBatchCache, owner_of
 from ..memory.pool import FlatViews, KVPool
 from ..memory.slots import HeadSlots
@@ -65,6 +67,10 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         out = shared_prefix_attention(queries, keys, values, cache, scale, sinks)
         cache.attended()
         return out
+    if isinstance(cache, PagedBatchKVCache) and cache.grouped is not None:
+        # Dropped once read: a layer's gathered columns are not held through the pass.
+        (grouped, context), cache.grouped = cache.grouped, None
+        return grouped_prefill_attention(queries, keys, values, grouped, context, scale, sinks)
     if _probe is not None:
         _probe.append((cache, keys))
     return _STOCK(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
@@ -286,6 +292,32 @@ def masked_attention(
         queries.transpose(2, 1, 0, 3), k, v, scale=scale, mask=mask, sinks=sinks
     )
     return out.transpose(2, 1, 0, 3)
+
+
+def grouped_prefill_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    grouped: GroupedPass,
+    context: tuple[mx.array | None, mx.array | None],
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """One layer of a prompt pass whose rows share a prefix (``cache/grouped_prefill.py``):
+    ``queries`` ``(B, Hq, S, D)`` stacked as one sequence over the layer's gathered columns
+    (``context``, each prefix once) and the pass's ``keys``/``values`` ``(B, H, S, D)``, with
+    ``grouped.visible`` as the mask. One fused call, the masked decode variant's shape."""
+    B, Hq, S, _ = queries.shape
+    H = keys.shape[1]
+    k, v = (x.transpose(1, 0, 2, 3).reshape(H, B * S, x.shape[-1]) for x in (keys, values))
+    k_ctx, v_ctx = context
+    if k_ctx is not None:
+        k, v = mx.concatenate([k_ctx, k], axis=1), mx.concatenate([v_ctx, v], axis=1)
+    q = queries.transpose(1, 0, 2, 3).reshape(1, Hq, B * S, -1)
+    out = mx.fast.scaled_dot_product_attention(
+        q, k[None], v[None], scale=scale, mask=grouped.visible, sinks=sinks
+    )
+    return out.reshape(Hq, B, S, -1).transpose(1, 0, 2, 3)
 
 
 def paged(

@@ -86,12 +86,15 @@ class RadixBatchGenerator(BatchGenerator):
         *,
         shared_prefix: str = "off",
         prefill_from_pool: str = "auto",
+        prefill_shared: str = "off",
         snapshot_every: int = 64,
         clock: StepClock | None = None,
         **kwargs,
     ):
         """``shared_prefix``: ``auto``, ``on`` or ``off`` (engine/decode_path.py);
         ``prefill_from_pool``: ``auto``, ``on`` or ``off`` (engine/prefill_path.py);
+        ``prefill_shared``: the same, for rows of a prompt batch reading a prefix they share
+        once (cache/grouped_prefill.py);
         ``snapshot_every``: pages between a hybrid model's prefill snapshots (0: none);
         ``clock``: where its decode steps' time is counted (the server's, which outlives its
         engines; engine/step_clock.py)."""
@@ -107,8 +110,9 @@ class RadixBatchGenerator(BatchGenerator):
         if radix.recurrent and shared_prefix != "off":
             log.info("shared-prefix decode off: a hybrid model's batch holds recurrent states")
             shared_prefix = "off"
-        calls = attention.attention_calls(model, radix.pool) if shared_prefix != "off" else 0
-        if calls is None:
+        wants_calls = shared_prefix != "off" or prefill_shared != "off"
+        calls = attention.attention_calls(model, radix.pool) if wants_calls else 0
+        if calls is None and shared_prefix != "off":
             log.info(
                 "shared-prefix decode off: this model attends outside mlx-lm's "
                 "scaled_dot_product_attention or its layers' caches"
@@ -121,7 +125,7 @@ class RadixBatchGenerator(BatchGenerator):
         # decode path's caches (engine/prefill_path.py).
         heads = getattr(getattr(model, "args", None), "num_attention_heads", None)
         heads = heads if isinstance(heads, int) else None
-        prefill_path.enable(prefill_from_pool, radix.pool, heads)
+        prefill_path.enable(prefill_from_pool, radix.pool, heads, prefill_shared, calls)
         self._prompt_batch = PoolPromptBatch.empty(
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )

@@ -247,6 +247,11 @@ class KVPool:
         # Whether prompt batches read cached K/V from here layer by layer instead of
         # filling a batch buffer (set by the engine: engine/prefill_path.py).
         self.prefill_from_pool = False
+        # Whether such a batch's rows read a prefix they share once a layer: "auto", "on"
+        # or "off" (cache/grouped_prefill.py; set with the above).
+        self.prefill_shared = "off"
+        # Prompt passes over the pool so far, by how their rows read it (paged_batch.py).
+        self.prefill_passes = {"grouped": 0, "per_row": 0}
         # What a prompt pass reading the pool may hold in temporaries between evaluations
         # (its layers' gathered context and scores; paged_batch.py), and the query heads a
         # layer's scores have (engine/prefill_path.py). None: no bound.

@@ -55,6 +55,16 @@ METRICS = {
         "gauge",
         "Recurrent-state snapshots held (hybrid models).",
     ),
+    "prefill_passes_grouped": (
+        "mlx_radix_prefill_passes_grouped_total",
+        "counter",
+        "Prompt passes whose rows read a prefix they share once a layer.",
+    ),
+    "prefill_passes_per_row": (
+        "mlx_radix_prefill_passes_per_row_total",
+        "counter",
+        "Prompt passes over the pool whose rows each read their own context.",
+    ),
     "snapshot_bytes": ("mlx_radix_snapshot_bytes", "gauge", "Bytes of the snapshots held."),
     "snapshot_bytes_max": (
         "mlx_radix_snapshot_bytes_max",

@@ -690,6 +690,7 @@ def started(name: str, model_dir: Path, work: Path, args):
         "radix": {
             "MLX_RADIX_POOL_TOKENS": str(args.pool_tokens),  # 0: the plugin's own memory plan
             "MLX_RADIX_DECODE_SHARED_PREFIX": args.shared_prefix,
+            "MLX_RADIX_PREFILL_SHARED_PREFIX": args.prefill_shared,
             "MLX_RADIX_MODEL_FUSE_PROJECTIONS": args.fuse_projections,
             "MLX_RADIX_SERVER_FRONT": args.front,
             # The disk tier writes every committed page through: what that costs the steps.
@@ -967,6 +968,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the plugin's decode.shared_prefix",
     )
     p.add_argument(
+        "--prefill-shared",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="the plugin's prefill.shared_prefix",
+    )
+    p.add_argument(
         "--fuse-projections",
         default="auto",
         choices=["auto", "on", "off"],
@@ -1070,6 +1077,7 @@ def main(argv: list[str] | None = None) -> int:
         # The plugin's settings these numbers were measured with.
         "radix_settings": {
             "decode.shared_prefix": args.shared_prefix,
+            "prefill.shared_prefix": args.prefill_shared,
             "model.fuse_projections": args.fuse_projections,
             "server.front": args.front,
         },
