@@ -213,14 +213,9 @@ def test_a_burst_on_a_new_prefix_holds_no_buffer_from_admission_to_decoding(
     takes it for 7k token reads saved a layer). Read from the pool, no batch holds a copy
     of anyone's K/V at any call: not the prompt batches, nor the first request's decode
     batch while its followers prefill (it waits for them on the shared path). With
-    ``prefill.shared_prefix`` at its default, the followers read the prefix once a layer."""
-    from mlx_radix_plugin.cache.grouped_prefill import GroupedPass
-
-    grouped = []
-    plan = GroupedPass.plan.__func__
-    monkeypatch.setattr(
-        GroupedPass, "plan", classmethod(lambda cls, *a: grouped.append(plan(cls, *a)) or grouped[-1])
-    )
+    ``prefill.shared_prefix`` on (its default on a GPU), the followers read the prefix once
+    a layer."""
+    grouped = _plans(monkeypatch)
     model, tok = loaded("llama")
     rpc = radix(model, tokens=16384)
     prefix = (tok.encode("You are a helpful assistant. ") * 200)[:1024]
@@ -362,6 +357,21 @@ def test_a_pass_empties_mlx_s_buffer_cache_only_where_the_server_does_not_bound_
     assert bool(emptied) is not bounded
 
 
+def _plans(monkeypatch) -> list:
+    """What ``GroupedPass.plan`` returns for each prompt pass, in order (None: per row)."""
+    from mlx_radix_plugin.cache.grouped_prefill import GroupedPass
+
+    plans = []
+    plan = GroupedPass.plan.__func__
+
+    def spy(cls, *args):
+        plans.append(plan(cls, *args))
+        return plans[-1]
+
+    monkeypatch.setattr(GroupedPass, "plan", classmethod(spy))
+    return plans
+
+
 def _recording(monkeypatch, model) -> list:
     """The logits of every forward pass of ``model``'s class that serves requests, in order
     (not the lazy pass that checks the attention's call site: ``attention_calls``)."""
@@ -390,7 +400,6 @@ def test_rows_sharing_a_prefix_read_it_once_with_the_per_row_read_s_logits(
     prompt, a row on part of the prefix, and a row joining a prompt batch under way. Every
     pass's float32 logits, at every position, within the tolerance of the per-row read's;
     greedy tokens equal."""
-    from mlx_radix_plugin.cache.grouped_prefill import GroupedPass
     from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
 
     model, tok = loaded(arch)
@@ -401,15 +410,7 @@ def test_rows_sharing_a_prefix_read_it_once_with_the_per_row_read_s_logits(
     prompts = [prefix + question(tok, i) * (1 + i % 3) for i in range(4)]
     prompts += [tok.encode("A cold prompt that nothing cached holds.")]
     prompts += [prefix[:24] + question(tok, 9)]
-    grouped = []
-    plan = GroupedPass.plan.__func__
-
-    def spy(cls, *args):
-        out = plan(cls, *args)
-        grouped.append(out is not None)
-        return out
-
-    monkeypatch.setattr(GroupedPass, "plan", classmethod(spy))
+    grouped = _plans(monkeypatch)
     outputs = _recording(monkeypatch, model)
     runs = {}
     for shared in ("off", "on"):
@@ -420,7 +421,7 @@ def test_rows_sharing_a_prefix_read_it_once_with_the_per_row_read_s_logits(
         tokens, logits, _ = prefill_run(
             model, tok, rpc, prompts, prefill="auto", step=step, late=(5,), shared=shared
         )
-        runs[shared] = (tokens, list(outputs), any(grouped))
+        runs[shared] = (tokens, list(outputs), any(g is not None for g in grouped))
     (tokens, passes, took), (exact_tokens, exact_passes, exact_took) = runs["on"], runs["off"]
     assert took and not exact_took
     assert tokens == exact_tokens

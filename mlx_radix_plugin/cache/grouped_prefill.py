@@ -142,4 +142,3 @@ class GroupedPass:
                 (col_row[None] == q_row) & (col_pos[None] <= q_pos)
             )
         return self._visible
-

@@ -47,9 +47,7 @@ def enable(
     if mode not in MODES:
         raise ValueError(f"prefill.from_pool must be one of {', '.join(MODES)}, got {mode!r}")
     if shared not in MODES:
-        raise ValueError(
-            f"prefill.shared_prefix must be one of {', '.join(MODES)}, got {shared!r}"
-        )
+        raise ValueError(f"prefill.shared_prefix must be one of {', '.join(MODES)}, got {shared!r}")
     windowed = any(spec.window is not None for spec in pool.specs)
     if mode == "on" and windowed:
         log.info("prefill.from_pool: a sliding-window layer keeps the batch buffer")
