@@ -80,8 +80,12 @@ class PagedBatchKVCache:
         ctx = rows.ctx
         if ctx is None:
             ctx = rows.begin(S, staged=True)
-            per_row = sum(self._layer_bytes(S, prev + S, layer) for layer in range(rows.num_layers))
-            rows.grouped_pass = GroupedPass.plan(rows.pool, rows.tables, rows.lengths, S, per_row)
+            rows.grouped_pass = None
+            if rows.pool.prefill_shared != "off":
+                per_row = sum(self._layer_bytes(S, prev + S, i) for i in range(rows.num_layers))
+                rows.grouped_pass = GroupedPass.plan(
+                    rows.pool, rows.tables, rows.lengths, S, per_row
+                )
             rows.pool.prefill_passes["per_row" if rows.grouped_pass is None else "grouped"] += 1
         grouped = rows.grouped_pass
         self._grow(prev + S)
