@@ -15,6 +15,25 @@ def test_every_architecture_runs_the_warm_up(loaded, arch):
     assert attention.VARIANT is None  # the shared path's variant is the rule's again
 
 
+@pytest.mark.parametrize("prefill_shared", ["auto", "off"])
+def test_the_warm_up_prefills_rows_on_one_prefix_reading_it_once_unless_that_is_off(
+    loaded, monkeypatch, prefill_shared
+):
+    """The grouped prompt pass (cache/grouped_prefill.py) builds its kernels at load too."""
+    from mlx_radix_plugin.cache.grouped_prefill import GroupedPass
+
+    plans = []
+    plan = GroupedPass.plan.__func__
+    monkeypatch.setattr(
+        GroupedPass, "plan", classmethod(lambda cls, *a: plans.append(plan(cls, *a)) or plans[-1])
+    )
+    model, _ = loaded("llama")
+    warmup.warm_up(model, page_size=4, shared_prefix="off", prefill_shared=prefill_shared)
+    grouped = [p for p in plans if p is not None]
+    assert bool(grouped) == (prefill_shared != "off")
+    assert all(p.rows == warmup.ROWS for p in grouped)
+
+
 def test_auto_warms_up_on_a_gpu_only():
     assert not warmup.enabled("auto")  # these tests run on MLX's CPU backend
     assert warmup.enabled("on") and not warmup.enabled("off")

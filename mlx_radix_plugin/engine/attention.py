@@ -307,17 +307,54 @@ def grouped_prefill_attention(
     ``queries`` ``(B, Hq, S, D)`` stacked as one sequence over the layer's gathered columns
     (``context``, each prefix once) and the pass's ``keys``/``values`` ``(B, H, S, D)``, with
     ``grouped.visible`` as the mask. One fused call, the masked decode variant's shape."""
-    B, Hq, S, _ = queries.shape
+    B, Hq, S, Dk = queries.shape
     H = keys.shape[1]
     k, v = (x.transpose(1, 0, 2, 3).reshape(H, B * S, x.shape[-1]) for x in (keys, values))
     k_ctx, v_ctx = context
     if k_ctx is not None:
         k, v = mx.concatenate([k_ctx, k], axis=1), mx.concatenate([v_ctx, v], axis=1)
-    q = queries.transpose(1, 0, 2, 3).reshape(1, Hq, B * S, -1)
-    out = mx.fast.scaled_dot_product_attention(
-        q, k[None], v[None], scale=scale, mask=grouped.visible, sinks=sinks
-    )
+    q = queries.transpose(1, 0, 2, 3)  # (Hq, B, S, D): each query head's rows in one sequence
+    if grouped_attention() == "fused":
+        out = mx.fast.scaled_dot_product_attention(
+            q.reshape(1, Hq, B * S, Dk), k[None], v[None], scale=scale, mask=grouped.visible,
+            sinks=sinks,
+        )  # fmt: skip
+    else:
+        out = _grouped_scores(q.reshape(H, (Hq // H) * B * S, Dk) * scale, k, v, grouped, sinks)
     return out.reshape(Hq, B, S, -1).transpose(1, 0, 2, 3)
+
+
+def _grouped_scores(
+    q: mx.array, k: mx.array, v: mx.array, grouped: GroupedPass, sinks: mx.array | None
+) -> mx.array:
+    """The grouped pass's attention as two matrix products and a float32 softmax: ``q``
+    ``(H, G x queries, D)``, scaled, the ``G`` query heads of each KV head stacked."""
+    H, rows, _ = q.shape
+    visible = grouped.visible
+    G = rows // visible.shape[0]
+    scores = (q @ k.swapaxes(-1, -2)).reshape(H, G, visible.shape[0], -1).astype(mx.float32)
+    scores = mx.where(visible, scores, _MASKED)
+    if sinks is not None:  # the sink's logit enters each query's softmax once
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(H, G, 1, 1), (*scores.shape[:3], 1))
+        scores = mx.concatenate([scores, sink], axis=-1)
+    weights = mx.softmax(scores, axis=-1)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return weights.astype(v.dtype).reshape(H, rows, -1) @ v
+
+
+# How a grouped prompt pass attends: "fused" (one ``mx.fast.scaled_dot_product_attention``
+# call) or "scores" (``_grouped_scores``); None: by device (``grouped_attention``).
+GROUPED_ATTENTION: str | None = None
+
+
+def grouped_attention() -> str:
+    """``scores`` on CUDA, where MLX's fused attention with an array mask builds a cuDNN graph
+    for every new shape of the pass (queries x columns) and a prompt pass's shapes seldom
+    repeat; ``fused`` elsewhere."""
+    if GROUPED_ATTENTION is not None:
+        return GROUPED_ATTENTION
+    return "scores" if mx.default_device() != mx.cpu and mx.cuda.is_available() else "fused"
 
 
 def paged(

@@ -7,7 +7,8 @@ kernel the engine's paths launch. Measured on the H200 (Llama-3-8B's shape, bf16
 the next two in 0.71 and 0.87 s. Here, before the first request, a few requests of random
 tokens go through the engine on a pool of their own: a prompt alone (prefill, page writes,
 decode), then requests on its cached prefix together (the prefix read from the pool into a
-batch, suffixes prefilled together, a batch decoding) and, unless ``decode.shared_prefix``
+batch, suffixes prefilled together reading it once unless ``prefill.shared_prefix`` is
+``off``, a batch decoding) and, unless ``decode.shared_prefix``
 is ``off``, the same batch on the shared-prefix path. The tree and pool that serve
 requests are left as they were.
 """
@@ -48,8 +49,10 @@ def vocab_size(model) -> int:
     return size if isinstance(size, int) and size > 0 else 256
 
 
-def warm_up(model, page_size: int, shared_prefix: str) -> float:
-    """Run the engine's paths on a scratch pool; seconds taken."""
+def warm_up(model, page_size: int, shared_prefix: str, prefill_shared: str = "off") -> float:
+    """Run the engine's paths on a scratch pool; seconds taken. ``prefill_shared``: the
+    server's ``prefill.shared_prefix`` (unless ``off``, the requests on the cached prefix
+    prefill their suffixes together reading it once)."""
     start = time.perf_counter()
     vocab = vocab_size(model)
     rng = random.Random(0)  # the same tokens on every rank of mlx.launch
@@ -66,7 +69,13 @@ def warm_up(model, page_size: int, shared_prefix: str) -> float:
     paths = [("off", None)] + ([] if shared_prefix == "off" else [("on", v) for v in variants])
     try:
         for mode, attention.VARIANT in paths:
-            gen = RadixBatchGenerator(model, rpc, shared_prefix=mode, prefill_batch_size=ROWS)
+            gen = RadixBatchGenerator(
+                model,
+                rpc,
+                shared_prefix=mode,
+                prefill_shared="off" if prefill_shared == "off" else "on",
+                prefill_batch_size=ROWS,
+            )
             _serve(gen, rpc, [prefix + o for o in own[1:]])
     finally:
         attention.VARIANT = None

@@ -138,7 +138,12 @@ class RadixPlugin:
     def _warm_up(self, model) -> None:
         page_size = self.cache.radix.pool.page_size
         try:
-            seconds = warmup.warm_up(model, page_size, self.config["decode.shared_prefix"])
+            seconds = warmup.warm_up(
+                model,
+                page_size,
+                self.config["decode.shared_prefix"],
+                self.config["prefill.shared_prefix"],
+            )
         except Exception:  # noqa: BLE001 - requests then build what they need, as stock's do
             log.exception("radix warm-up failed; the first requests build their kernels")
             return
