@@ -394,13 +394,14 @@ def _recording(monkeypatch, model) -> list:
 @pytest.mark.parametrize("step", [2048, 8], ids=["one pass", "passes of 8 tokens"])
 @pytest.mark.parametrize("how", ["fused", "scores"])
 def test_rows_sharing_a_prefix_read_it_once_with_the_per_row_read_s_logits(
-    loaded, arch, step, how, monkeypatch
+    loaded, arch, step, how, monkeypatch, chunking
 ):
     """``prefill.shared_prefix`` on against off (each row reads its own context, the buffer's
     logits bitwise): rows on a cached prefix with suffixes of several lengths, a cold
     prompt, a row on part of the prefix, and a row joining a prompt batch under way. Every
     pass's float32 logits, at every position, within the tolerance of the per-row read's;
-    greedy tokens equal. Both ways of attending: one fused call, or the scores by hand (CUDA's)."""
+    greedy tokens equal. Both ways of attending: one fused call, or the scores by hand (CUDA's);
+    pools in one chunk and in a chunk a page (the columns then come in the chunks' order)."""
     from mlx_radix_plugin.engine import attention
     from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
 

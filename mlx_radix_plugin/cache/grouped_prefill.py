@@ -11,12 +11,12 @@ of the model's own compute.
 Here the pass's queries are stacked as one sequence over one set of key columns: each
 group's prefix (``memory/prefix_groups.py``), then each row's cached tokens past it, then
 the pass's new tokens, row after row. A mask gives each query its group's prefix, its
-row's cached tokens and its row's new tokens up to its own: one fused attention call per
-layer, an exact softmax per query. The cost is that each row's queries also score the
-other rows' own and new columns (masked), which ``GroupedPass.plan`` weighs against the
-per-row read. The sums run in another order than stock's, so the logits differ from the
-buffer's by rounding: ``FIDELITY_TOLERANCE`` (``engine/attention.py``) holds, and the
-switch ``prefill.shared_prefix`` turns it off.
+row's cached tokens and its row's new tokens up to its own: one gather and one attention
+call per layer (``engine/attention.py``), an exact softmax per query. The cost is that each
+row's queries also score the other rows' own and new columns (masked), which
+``GroupedPass.plan`` weighs against the per-row read. The sums run in another order than
+stock's, so the logits differ from the buffer's by rounding: ``FIDELITY_TOLERANCE``
+(``engine/attention.py``) holds, and the switch ``prefill.shared_prefix`` turns it off.
 """
 
 from __future__ import annotations
@@ -27,15 +27,12 @@ import numpy as np
 from ..memory.pool import KVPool, page_slots
 from ..memory.prefix_groups import group_rows
 
-MODES = ("auto", "on", "off")
-
 
 class GroupedPass:
-    """What the layers of one grouped prompt pass read, built by its first layer.
-
-    ``columns``: the pool slots gathered once a layer (each group's prefix, then each row's
-    own cached tokens); ``visible``: ``(rows x step, columns + rows x step)`` booleans, which
-    columns and which of the pass's new tokens each query sees, in the gather's order."""
+    """What the layers of one grouped prompt pass read, built by its first layer: the pool
+    slots each layer gathers once (``cached`` of them: each group's prefix, then each row's
+    own cached tokens), and ``visible``, which of them and of the pass's new tokens each
+    query sees."""
 
     def __init__(self, pool: KVPool, tables: list, lengths: list[int], step: int):
         self.pool = pool
