@@ -155,6 +155,7 @@ def _joining_peak(prefill: str, working_bytes: int | None, shared: str = "off") 
     mx.synchronize()
     peak = mx.get_peak_memory() - base
     gen.close()
+    sizes["grouped_passes"] = rpc.pool.prefill_passes["grouped"]
     return peak, sizes
 
 
@@ -173,6 +174,7 @@ def test_requests_joining_a_cached_prefix_hold_the_named_working_set_outside_the
     once its work has run (on the H200 the pass evaluated whole held about 7 layers' of
     them), so the pass is evaluated in pieces that keep under the bound."""
     peak, sizes = _joining_peak(prefill, None, shared)
+    assert (sizes["grouped_passes"] > 0) == (shared == "on")
     if prefill == "auto":
         assert peak <= sizes["suffix_kv"] + sizes["layer"] + 2**20, (peak, sizes)
     else:
@@ -434,3 +436,34 @@ def test_rows_sharing_a_prefix_read_it_once_with_the_per_row_read_s_logits(
     for a, b in zip(passes, exact_passes):
         scale = mx.abs(b).max().item()
         assert mx.abs(a - b).max().item() <= FIDELITY_TOLERANCE * scale, arch
+
+
+@pytest.mark.parametrize(
+    "rows, own, step, grouped",
+    [(32, 0, 31, True), (8, 1024, 512, False)],
+    ids=["a burst's followers", "agents with long contexts of their own"],
+)
+def test_auto_groups_a_pass_where_it_holds_less_than_each_row_s_own_read(rows, own, step, grouped):
+    """Llama-3-8B's K/V geometry (bf16, 32 query heads), rows on one cached 2,048-token
+    prefix: the H200 burst's followers (32 rows of 31 tokens) are grouped; 8 agents with
+    1,024 cached tokens of their own each, adding 512, are not: the grouped pass's scores
+    (every query over every row's columns) would outweigh each row reading its own."""
+    from mlx_radix_plugin.memory.pool import LayerSpec
+
+    specs = [LayerSpec(8, 128, 128)] * 2
+    pool = KVPool(specs, 4096, 16, mx.bfloat16, chunk_pages=512)
+    pool.prefill_shared, pool.query_heads = "auto", 32
+    prefix = PageTable(pool)
+    prefix.prepare_write(0, 2048)
+    tables = []
+    for _ in range(rows):
+        t = PageTable(pool, prefix.pages, shared_tokens=2048)
+        pool.allocator.incref(prefix.pages)
+        t.prepare_write(2048, 2048 + own + step)
+        tables.append(t)
+    batch = BatchRows(pool, tables, [2048 + own] * rows)
+    caches = [PagedBatchKVCache(batch, layer, object, [0] * rows) for layer in range(2)]
+    x = mx.zeros((rows, 8, step, 128), mx.bfloat16)
+    caches[0].update_and_fetch(x, x)
+    assert (batch.grouped_pass is not None) == grouped
+    assert pool.prefill_passes == {"grouped": int(grouped), "per_row": int(not grouped)}

@@ -400,6 +400,31 @@ def test_models_that_attend_outside_the_call_site_keep_the_exact_path(loaded, ca
     gen.close()
 
 
+def test_a_model_that_hands_the_call_site_its_own_mask_keeps_the_exact_paths(caplog):
+    """DeepSeek-V3's attention (MLA) passes its rotary scores to the call site as the mask:
+    the shared decode path and the grouped prefill, which make their own masks, would drop
+    them, so neither serves it."""
+    from mlx_lm.models import deepseek_v3
+
+    caplog.set_level("INFO", logger="mlx_radix")
+    mx.random.seed(0)
+    config = dict(
+        model_type="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8,
+        qk_nope_head_dim=8, first_k_dense_replace=1,
+    )  # fmt: skip
+    model = deepseek_v3.Model(deepseek_v3.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    rpc = radix(model)
+    assert attention.attention_calls(model, rpc.pool) is None
+    gen = RadixBatchGenerator(model, rpc, shared_prefix="on", prefill_shared="on")
+    assert gen.decode_path.mode == "off" and rpc.pool.prefill_shared == "off"
+    assert "prefill.shared_prefix off" in caplog.text
+    gen.close()
+
+
 @pytest.mark.parametrize(
     "backend, rows, prefix, shared",
     [

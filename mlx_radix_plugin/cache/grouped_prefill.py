@@ -98,14 +98,16 @@ class GroupedPass:
 
     def layer_bytes(self, layer: int) -> int:
         """One layer's temporaries: its columns gathered and joined to the new tokens' (K
-        and V), and float32 scores of every query over every column (a backend without a
-        fused masked attention makes them)."""
+        and V), the pass's mask, and two float32 copies of every query's scores over every
+        column (the scores by hand hold the masked scores and their softmax at once; a
+        fused call makes none)."""
         pool = self.pool
         spec = pool.specs[layer]
         heads = pool.query_heads or spec.kv_heads
         queries = self.rows * self.step
         columns = self.cached + queries
-        return 2 * columns * spec.bytes_per_token(pool.dtype) + heads * queries * columns * 4
+        kv = 2 * columns * spec.bytes_per_token(pool.dtype)
+        return kv + queries * columns + 2 * heads * queries * columns * 4
 
     def gather(self, layer: int, heads: int) -> tuple[mx.array | None, mx.array | None]:
         """Layer ``layer``'s K and V at the cached columns, ``(heads, columns, dim)``, in the

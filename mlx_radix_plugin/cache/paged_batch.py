@@ -77,6 +77,7 @@ class PagedBatchKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         rows = self.rows
         prev, S = self._idx, keys.shape[2]
+        self._grow(prev + S)
         ctx = rows.ctx
         if ctx is None:
             ctx = rows.begin(S, staged=True)
@@ -88,7 +89,6 @@ class PagedBatchKVCache:
                 )
             rows.pool.prefill_passes["per_row" if rows.grouped_pass is None else "grouped"] += 1
         grouped = rows.grouped_pass
-        self._grow(prev + S)
         # The pool is read before this pass's writes are queued (see the module's notes).
         if grouped is not None:
             self._bound(ctx, keys, values, grouped.layer_bytes(self.layer))

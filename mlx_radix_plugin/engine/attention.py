@@ -72,7 +72,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         (grouped, context), cache.grouped = cache.grouped, None
         return grouped_prefill_attention(queries, keys, values, grouped, context, scale, sinks)
     if _probe is not None:
-        _probe.append((cache, keys))
+        _probe.append((cache, keys, mask))
     return _STOCK(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -116,8 +116,10 @@ def install(model: nn.Module) -> list[str]:
 def attention_calls(model: nn.Module, pool: KVPool) -> int | None:
     """Attention calls in one forward pass of ``model`` if every one goes through the
     patched call site with a pool layer's cache, or with the K a pool layer's cache just
-    returned (a layer reusing another's K/V); None if any does not (shared-prefix decode
-    cannot serve that model).
+    returned (a layer reusing another's K/V), and with no mask but the cache's; None if any
+    does not (shared-prefix decode and the grouped prefill cannot serve that model: they
+    make their own masks and read K/V from the pool, so a mask the model computed itself,
+    as DeepSeek-V3's attention passes its rotary scores, would be dropped).
 
     One lazy forward pass with probe caches, never evaluated, after ``install``.
     """
@@ -132,8 +134,10 @@ def attention_calls(model: nn.Module, pool: KVPool) -> int | None:
     finally:
         _probe = None
     owners = {id(p.keys): p for p in probes if hasattr(p, "keys")}
-    served = [cache if cache is not None else owners.get(id(keys)) for cache, keys in seen]
+    served = [cache if cache is not None else owners.get(id(keys)) for cache, keys, _ in seen]
     if any(c is None for c in served) or {id(c) for c in served} != {id(p) for p in probes}:
+        return None
+    if any(isinstance(mask, mx.array) for _, _, mask in seen):  # the probes make none
         return None
     return len(served)
 
