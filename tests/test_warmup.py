@@ -2,6 +2,7 @@
 
 import pytest
 from servers import mlx_lm_server
+from test_paged_prefill import _plans
 from test_server import GREEDY, SYSTEM, hf_cache, start  # noqa: F401 - fixtures
 from tiny_models import ARCHS, HYBRID_ARCHS
 
@@ -20,13 +21,7 @@ def test_the_warm_up_prefills_rows_on_one_prefix_reading_it_once_unless_that_is_
     loaded, monkeypatch, prefill_shared
 ):
     """The grouped prompt pass (cache/grouped_prefill.py) builds its kernels at load too."""
-    from mlx_radix_plugin.cache.grouped_prefill import GroupedPass
-
-    plans = []
-    plan = GroupedPass.plan.__func__
-    monkeypatch.setattr(
-        GroupedPass, "plan", classmethod(lambda cls, *a: plans.append(plan(cls, *a)) or plans[-1])
-    )
+    plans = _plans(monkeypatch)
     model, _ = loaded("llama")
     warmup.warm_up(model, page_size=4, shared_prefix="off", prefill_shared=prefill_shared)
     grouped = [p for p in plans if p is not None]

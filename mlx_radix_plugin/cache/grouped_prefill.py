@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..memory.pool import KVPool, page_slots
-from ..memory.prefix_groups import group_rows
+from ..memory.prefix_groups import PrefixGroup, group_rows
 
 
 class GroupedPass:
@@ -34,12 +34,14 @@ class GroupedPass:
     own cached tokens), and ``visible``, which of them and of the pass's new tokens each
     query sees."""
 
-    def __init__(self, pool: KVPool, tables: list, lengths: list[int], step: int):
+    def __init__(
+        self, pool: KVPool, tables: list, lengths: list[int], step: int, groups: list[PrefixGroup]
+    ):
+        """``groups``: the rows' prefix groups (``group_rows``)."""
         self.pool = pool
         ps = pool.page_size
         B = len(tables)
         self.rows, self.step = B, step
-        groups = group_rows([t.pages for t in tables], lengths, ps)
         slots, col_group, col_row = [], [], []
         row_group = np.full(B, -2, dtype=np.int32)  # -2: a row without a prefix of its own
         starts = [0] * B
@@ -58,7 +60,6 @@ class GroupedPass:
                 slots.append(own)
                 col_group.append(np.full(own.size, -1, dtype=np.int32))
                 col_row.append(np.full(own.size, r, dtype=np.int32))
-        self.shared = any(len(g.rows) > 1 and g.pages for g in groups)
         host = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
         self.cached = host.size  # gathered columns
         self._host = host
@@ -87,9 +88,11 @@ class GroupedPass:
         mode = pool.prefill_shared
         if mode == "off" or not tables:
             return None
-        grouped = cls(pool, tables, lengths, step)
-        if not grouped.shared:
+        # Grouped first: a pass that shares nothing builds none of the columns.
+        groups = group_rows([t.pages for t in tables], lengths, pool.page_size)
+        if not any(len(g.rows) > 1 and g.pages for g in groups):
             return None
+        grouped = cls(pool, tables, lengths, step, groups)
         if mode == "auto":
             mine = sum(grouped.layer_bytes(layer) for layer in range(pool.num_layers))
             if mine > per_row_bytes:

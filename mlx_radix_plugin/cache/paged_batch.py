@@ -89,6 +89,7 @@ class PagedBatchKVCache:
                 )
             rows.pool.prefill_passes["per_row" if rows.grouped_pass is None else "grouped"] += 1
         grouped = rows.grouped_pass
+        self._idx = prev + S
         # The pool is read before this pass's writes are queued (see the module's notes).
         if grouped is not None:
             self._bound(ctx, keys, values, grouped.layer_bytes(self.layer))
@@ -98,9 +99,7 @@ class PagedBatchKVCache:
             self._bound(ctx, keys, values, self._layer_bytes(S, prev + S))
             self.grouped = None
             context = self._context(prev) if prev else (None, None)
-            self._idx = prev + S
             laid_out = [x[..., : prev + S, :] for x in self._laid_out(context, (keys, values))]
-        self._idx = prev + S
         if ctx.any:
             ctx.write(rows.pool, self.layer, keys, values)
         # The batch's offsets moved once a pass, shared by every layer (as PoolBatchKVCache).

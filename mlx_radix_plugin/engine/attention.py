@@ -310,7 +310,8 @@ def grouped_prefill_attention(
     """One layer of a prompt pass whose rows share a prefix (``cache/grouped_prefill.py``):
     ``queries`` ``(B, Hq, S, D)`` stacked as one sequence over the layer's gathered columns
     (``context``, each prefix once) and the pass's ``keys``/``values`` ``(B, H, S, D)``, with
-    ``grouped.visible`` as the mask. One fused call, the masked decode variant's shape."""
+    ``grouped.visible`` as the mask: the masked decode variant's shape, one fused call or the
+    scores by hand (``grouped_attention``)."""
     B, Hq, S, Dk = queries.shape
     H = keys.shape[1]
     k, v = (x.transpose(1, 0, 2, 3).reshape(H, B * S, x.shape[-1]) for x in (keys, values))

@@ -53,17 +53,17 @@ def enable(
         log.info("prefill.from_pool: a sliding-window layer keeps the batch buffer")
     pool.prefill_from_pool = mode != "off" and not windowed
     pool.query_heads = query_heads
-    own_caches = attention_calls == pool.num_layers
-    if shared != "off" and pool.prefill_from_pool and not own_caches:
-        log.info(
-            "prefill.shared_prefix off: this model attends outside mlx-lm's "
-            "scaled_dot_product_attention or with another layer's K/V"
-        )
     if shared == "auto" and mx.default_device() == mx.cpu:
         # On MLX's CPU backend a prefill is the model's compute, and gathers are cheap: 8
         # rows of 30 tokens on a cached 496-token prefix (SmolLM2-135M's shape, float32)
         # took 19.2-19.5 s grouped against 18.0-18.8 s each row reading its own.
         shared = "off"
+    own_caches = attention_calls == pool.num_layers
+    if shared != "off" and pool.prefill_from_pool and not own_caches:
+        log.info(
+            "prefill.shared_prefix off: this model attends outside mlx-lm's "
+            "scaled_dot_product_attention, with another layer's K/V or with a mask of its own"
+        )
     pool.prefill_shared = shared if pool.prefill_from_pool and own_caches else "off"
     return pool.prefill_from_pool
 
