@@ -21,11 +21,14 @@ stock's, so the logits differ from the buffer's by rounding: ``FIDELITY_TOLERANC
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import numpy as np
 
 from ..memory.pool import KVPool, page_slots
 from ..memory.prefix_groups import PrefixGroup, group_rows
+from ..memory.slots import HeadSlots
 
 
 class GroupedPass:
@@ -63,28 +66,26 @@ class GroupedPass:
         host = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
         self.cached = host.size  # gathered columns
         self._host = host
-        self._index: dict[int, object] = {}
-        # The gather reads each chunk of the pool in turn (``HeadSlots.gather``, unordered):
-        # column i of what it returns is position filled[i] of ``host``.
-        chunks = host // pool.chunk_slots
-        self._filled = None
-        if host.size and not (chunks == chunks[0]).all():
-            self._filled = np.concatenate([np.flatnonzero(chunks == c) for c in np.unique(chunks)])
+        self._index: dict[int, HeadSlots] = {}  # by KV heads
         cg = np.concatenate(col_group) if col_group else np.zeros(0, dtype=np.int32)
         cr = np.concatenate(col_row) if col_row else np.zeros(0, dtype=np.int32)
-        cp = np.full(cg.size, -1, dtype=np.int32)  # a cached column precedes every query
-        self._meta = (cg, cr, cp, row_group)
+        self._meta = (cg, cr, row_group)
         self._visible: mx.array | None = None
 
     @classmethod
     def plan(
-        cls, pool: KVPool, tables: list, lengths: list[int], step: int, per_row_bytes: int
+        cls,
+        pool: KVPool,
+        tables: list,
+        lengths: list[int],
+        step: int,
+        per_row_bytes: Callable[[], int],
     ) -> GroupedPass | None:
         """The pass grouped, or None where the per-row read is to be taken: ``off``, or no two
         rows share a prefix; ``auto`` also where the layers' temporaries here would pass the
-        per-row read's (``per_row_bytes``, summed over layers:
-        ``PagedBatchKVCache._layer_bytes``), as rows with long contexts of their own make
-        them; ``on`` groups every pass with a shared prefix."""
+        per-row read's (``per_row_bytes()``, summed over layers:
+        ``PagedBatchKVCache._layer_bytes``, asked only then), as rows with long contexts of
+        their own make them; ``on`` groups every pass with a shared prefix."""
         mode = pool.prefill_shared
         if mode == "off" or not tables:
             return None
@@ -95,7 +96,7 @@ class GroupedPass:
         grouped = cls(pool, tables, lengths, step, groups)
         if mode == "auto":
             mine = sum(grouped.layer_bytes(layer) for layer in range(pool.num_layers))
-            if mine > per_row_bytes:
+            if mine > per_row_bytes():
                 return None
         return grouped
 
@@ -117,11 +118,16 @@ class GroupedPass:
         gather's order (``visible`` follows it); None where nothing is cached."""
         if not self.cached:
             return None, None
+        index = self._slots(heads)
+        k_views, v_views = self.pool.flat_views(layer)
+        return index.gather(k_views, ordered=False), index.gather(v_views, ordered=False)
+
+    def _slots(self, heads: int) -> HeadSlots:
+        """The cached columns as a gather of ``heads`` KV heads reads them, made once."""
         index = self._index.get(heads)
         if index is None:
             index = self._index[heads] = self.pool.head_slots(self._host, heads)
-        k_views, v_views = self.pool.flat_views(layer)
-        return index.gather(k_views, ordered=False), index.gather(v_views, ordered=False)
+        return index
 
     @property
     def visible(self) -> mx.array:
@@ -129,15 +135,19 @@ class GroupedPass:
         prefix, row ``r``'s cached columns and row ``r``'s new tokens ``0..i``. Made on the
         device from per-column and per-query integers, once a pass."""
         if self._visible is None:
-            cg, cr, cp, row_group = self._meta
-            if self._filled is not None:
-                cg, cr, cp = cg[self._filled], cr[self._filled], cp[self._filled]
+            cg, cr, row_group = self._meta
+            # The gather reads the pool chunk by chunk (unordered): its column i is position
+            # filled[i] of the cached columns, whatever the heads.
+            filled = self._slots(self.pool.specs[0].kv_heads).filled if self.cached else None
+            if filled is not None:
+                cg, cr = cg[filled], cr[filled]
             B, S = self.rows, self.step
             new_row = np.repeat(np.arange(B, dtype=np.int32), S)
             new_pos = np.tile(np.arange(S, dtype=np.int32), B)
             col_group = mx.array(np.concatenate([cg, np.full(B * S, -1, dtype=np.int32)]))
             col_row = mx.array(np.concatenate([cr, new_row]))
-            col_pos = mx.array(np.concatenate([cp, new_pos]))
+            # A cached column precedes every query (position -1).
+            col_pos = mx.array(np.concatenate([np.full(cg.size, -1, dtype=np.int32), new_pos]))
             q_group = mx.array(np.repeat(row_group, S))[:, None]
             q_row, q_pos = mx.array(new_row)[:, None], mx.array(new_pos)[:, None]
             self._visible = (col_group[None] == q_group) | (

@@ -83,9 +83,12 @@ class PagedBatchKVCache:
             ctx = rows.begin(S, staged=True)
             rows.grouped_pass = None
             if rows.pool.prefill_shared != "off":
-                per_row = sum(self._layer_bytes(S, prev + S, i) for i in range(rows.num_layers))
                 rows.grouped_pass = GroupedPass.plan(
-                    rows.pool, rows.tables, rows.lengths, S, per_row
+                    rows.pool,
+                    rows.tables,
+                    rows.lengths,
+                    S,
+                    lambda: sum(self._layer_bytes(S, prev + S, i) for i in range(rows.num_layers)),
                 )
             rows.pool.prefill_passes["per_row" if rows.grouped_pass is None else "grouped"] += 1
         grouped = rows.grouped_pass
