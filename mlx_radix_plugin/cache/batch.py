@@ -114,10 +114,12 @@ class BatchedDecodeContext:
             k, v = k[self.take], v[self.take]
         pool.write_rows(layer, self.write_slots, k, v)
 
-    def flush(self, pool: KVPool) -> None:
-        """Write the staged K/V of every layer."""
+    def flush(self, pool: KVPool, in_place: bool = False) -> None:
+        """Write the staged K/V of every layer (``in_place``: see ``KVPool.write_layers``)."""
         if self.keys:
-            pool.write_layers(self.write_slots, self.keys, self.values, rows=self.take)
+            pool.write_layers(
+                self.write_slots, self.keys, self.values, rows=self.take, in_place=in_place
+            )
 
 
 class BatchRows:
@@ -169,11 +171,12 @@ class BatchRows:
         self.ctx = BatchedDecodeContext(self.tables, self.lengths, valid, step, staged)
         return self.ctx
 
-    def end(self) -> None:
-        """After the pass's last layer: the staged writes, then who holds what."""
+    def end(self, in_place: bool = False) -> None:
+        """After the pass's last layer: the staged writes (``in_place``: a shared decode
+        pass's, whose launch takes them), then who holds what."""
         ctx, self.ctx = self.ctx, None
         if ctx.any:
-            ctx.flush(self.pool)
+            ctx.flush(self.pool, in_place)
         for i, n in enumerate(ctx.valid):
             self.lengths[i] += n
             self.tables[i].written = self.lengths[i]

@@ -338,14 +338,18 @@ class SharedPrefixBatchCache(OffsetCache):
         for key in step.owned:
             _owners.pop(key, None)
         write_slots = ctx.write_slots
-        rows.end()
+        # Where the device allows, this pass's writes are stores in place, launched with
+        # the pass (memory/in_place.py); no read of this pass touches the slots they write.
+        rows.end(in_place=True)
         rows.shared_pass = None
         rows.shared.advance(write_slots)
-        # mlx-lm evaluates this pass while the previous one may still run. Its reads need
-        # the previous pass's writes, which are evaluated with it: they update the pool in
-        # place only once nothing running reads the pool (KVPool.settle). This pass's own
-        # writes wait for the next pass, or for the engine after the step.
-        rows.pool.settle()
+        # mlx-lm evaluates this pass while the previous one may still run. Scatters into the
+        # pool evaluated with it (this pass's writes without stores in place, a prefill's
+        # left pending) update it in place only once nothing running reads the pool
+        # (KVPool.settle): this pass waits for the previous one then, and only then. Without
+        # stores in place, this pass's own writes wait for the next pass, or for the engine
+        # after the step.
+        rows.pool.settle_writes()
         rows.pool.reading()
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):

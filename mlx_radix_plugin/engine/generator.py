@@ -414,7 +414,9 @@ class RadixBatchGenerator(BatchGenerator):
         merged = decoding and not self.decode_path.is_shared(self._generation_batch)
         if merged:
             self.radix.pool.settle()
-        self._generation_batch.launch_with = self._pool_arrays if merged else None
+        # A shared step launches its stores in place, where the pool makes them (pool.py).
+        pool = self.radix.pool
+        self._generation_batch.launch_with = self._pool_arrays if merged else pool.take_marks
         self.clock.begin_call()
         self.decode_path.count_step(self._generation_batch)
         configured = self.prefill_batch_size

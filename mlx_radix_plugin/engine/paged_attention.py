@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..memory.in_place import head
+
 log = logging.getLogger("mlx_radix")
 
 WARPS = 4  # warps a block
@@ -306,8 +308,10 @@ def paged_attention(
         queries,
         keys,
         values,
-        at.keys,
-        at.values,
+        # One-row views: the kernel addresses rows from the array's start, and a whole pool
+        # array as an input ended MLX's command graph at every layer (in_place.head).
+        head(at.keys),
+        head(at.values),
         at.pages,
         at.lengths,
         _constant(at.base, mx.int32),

@@ -18,7 +18,8 @@ old array (DESIGN.md section 4). Since an array spans layers, a forward pass mus
 not read the pool between two layers' writes: readers copy what they need out of
 the pool (evaluated) before the pass writes, and nothing here keeps a second
 reference to an array. On a GPU a second condition holds: no kernel that reads the old
-array may still be running when the write is evaluated (``settle``).
+array may still be running when the write is evaluated (``settle``). On CUDA a shared decode
+step's writes are stores in place instead, which need neither (``in_place.py``).
 
 The pool is a ceiling, not an allocation: its storage comes in chunks of whole pages,
 each chunk its own arrays, brought online when the free pages run out (before anything
@@ -42,6 +43,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from . import in_place as _in_place
 from . import ranks
 from .allocator import PageAllocator
 from .budget import (
@@ -234,6 +236,10 @@ class KVPool:
         self.lock = threading.RLock()
         # The stream of an evaluation that reads the pool and may still run (``reading``).
         self._reader: mx.Stream | None = None
+        # Whether a scatter into the pool was built since the last ``settle``.
+        self._scattered = False
+        # In-place stores of a decode step not yet launched (in_place.py): the step takes them.
+        self._marks: list[mx.array] = []
         self.plan: MemoryPlan | None = None  # how for_model sized it
         # Per entry of the model's cache, the pool layer holding its K/V, or None for a
         # recurrent layer (inspect_model); one pool layer an entry unless for_model says.
@@ -506,7 +512,19 @@ class KVPool:
     @property
     def arrays(self) -> list[mx.array]:
         """Every array of the pool: evaluate these to run pending writes."""
-        return [a for chunk in self._chunks if chunk is not None for a in chunk[0] + chunk[1]]
+        arrays = [a for chunk in self._chunks if chunk is not None for a in chunk[0] + chunk[1]]
+        return arrays + self._marks
+
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether a decode step's writes may be stores in place (in_place.py: CUDA)."""
+        return _in_place.available(self.dtype)
+
+    def take_marks(self) -> list[mx.array]:
+        """The in-place stores built since the last call, for the step's launch: launched
+        with the step whose K/V they store, so every later read comes after them."""
+        marks, self._marks = self._marks, []
+        return marks
 
     def reading(self) -> None:
         """An evaluation about to start reads the pool and may still run when the next
@@ -526,13 +544,21 @@ class KVPool:
         shape, 32 rows on a 2,048-token prefix, a decode step took 20.4 ms with a
         65,536-token pool (8.6 GB) and 16.6 ms with one just large enough.
         """
+        self._scattered = False
         if self._reader is not None:
             reader, self._reader = self._reader, None
             mx.synchronize(reader)
 
+    def settle_writes(self) -> None:
+        """``settle``, where a scatter into the pool was built since the last: a pass whose
+        own writes are stores in place waits for nothing else."""
+        if self._scattered:
+            self.settle()
+
     def write_rows(self, layer: int, slots, keys: mx.array, values: mx.array) -> None:
         """Store ``(n, heads, dim)`` rows of one layer at ``n`` slots."""
         g, base = self._where[layer]
+        self._scattered = True
         for c, local, at in self._plan(slots).pieces:
             idx = local + base if base else local
             k_arrays, v_arrays = self._chunks[c]
@@ -549,13 +575,18 @@ class KVPool:
         keys: Mapping[int, mx.array],
         values: Mapping[int, mx.array],
         rows: mx.array | None = None,
+        in_place: bool = False,
     ) -> None:
-        """Store every layer's new K/V at the same slots: one scatter per array.
+        """Store every layer's new K/V at the same slots: one scatter per array, or with
+        ``in_place`` (a shared decode pass's, where ``writes_in_place``) one store in place
+        per array, which the pass's launch takes (``take_marks``).
 
         ``keys[layer]`` holds ``m`` rows of ``(heads, dim)`` in any shape of that size
         (a decode step's ``(batch, heads, 1, dim)``); ``rows`` picks which of the ``m``
         go to ``slots``, all of them when None.
         """
+        in_place = in_place and self.writes_in_place
+        self._scattered |= not in_place
         for g, layers in enumerate(self.groups):
             spec = self.specs[layers[0]]
             for new, which, dim in ((keys, 0, spec.k_head_dim), (values, 1, spec.v_head_dim)):
@@ -565,8 +596,11 @@ class KVPool:
                     x = x[:, rows]
                 for c, local, at in slots.pieces:
                     idx = (self._bases[g] + local).reshape(-1)
-                    part = x if at is None else x[:, at]
-                    self._chunks[c][which][g][idx] = part.reshape(-1, *row)
+                    part = (x if at is None else x[:, at]).reshape(-1, *row)
+                    if in_place:
+                        self._marks.append(_in_place.store(self._chunks[c][which][g], idx, part))
+                    else:
+                        self._chunks[c][which][g][idx] = part
 
     def rows(self, layer: int, slots) -> tuple[mx.array, mx.array]:
         """One layer's K/V rows at ``slots``, ``(n, heads, dim)``."""
@@ -615,6 +649,7 @@ class KVPool:
         the only reader of each array and can update it in place.
         """
         self.settle()
+        self._scattered = True
         src, dst = self._plan(src), self._plan(dst)
         gathered = []
         for g, layers in enumerate(self.groups):
