@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.generate import generation_stream
 from test_shared_prefix import engine_run, on_a_shared_prefix, prefix_of, question, radix, warm
 
 from mlx_radix_plugin.engine import attention
@@ -34,16 +35,21 @@ def test_a_shared_step_launches_its_stores_with_it_and_waits_for_nothing(loaded,
     taken by each step. The stores here are scatters standing in for the kernel (the CPU has
     none), so the answers are the engine's own."""
     model, tok = loaded("llama")
-    gen, rpc = on_a_shared_prefix(model, tok, 4, 12)
-    while gen.decode_stats["decode_path"] != "shared":
-        gen.next()
-    gen.next()
-
     stored, events = [], []
 
     def store(array, idx, rows):
         stored.append(scatter_store(array, idx, rows))
         return stored[-1]
+
+    monkeypatch.setattr(in_place, "IN_PLACE", True)
+    monkeypatch.setattr(in_place, "store", store)
+    gen, rpc = on_a_shared_prefix(model, tok, 4, 12)
+    while gen.decode_stats["decode_path"] != "shared":
+        gen.next()
+    # The batch's first decode step is mlx-lm's own (the prompt batch's ``generate``): no
+    # launch of ours takes its stores, and the next step launches them on their own first.
+    gen.next()
+    gen.next()
 
     synchronize, async_eval = mx.synchronize, mx.async_eval
 
@@ -57,8 +63,6 @@ def test_a_shared_step_launches_its_stores_with_it_and_waits_for_nothing(loaded,
         events.append(f"launch {launched}")
         return async_eval(*args)
 
-    monkeypatch.setattr(in_place, "IN_PLACE", True)
-    monkeypatch.setattr(in_place, "store", store)
     monkeypatch.setattr(mx, "synchronize", sync)
     monkeypatch.setattr(mx, "async_eval", evaluate)
     for _ in range(4):
@@ -112,12 +116,52 @@ def test_the_kernel_stores_what_the_scatter_does(dtype):
     assert in_place.check(dtype)
 
 
-def emulated_store(array, idx, rows):
-    """The kernel's store on the CPU: the rows written into the evaluated array's own memory,
-    which MLX does not see change (the array stays the same object, never an output)."""
-    mx.eval(array, idx, rows)
-    np.asarray(memoryview(array))[np.array(idx)] = np.array(rows)
-    return mx.array([1])
+class EmulatedStores:
+    """The kernel's stores on the CPU, as MLX's CUDA backend orders them: a store writes
+    the evaluated array's own memory (MLX does not see it change), only when an evaluation
+    launches it, and nothing orders it against the other work of that evaluation (on CUDA
+    it is a node of the same command graph with no edge to the readers of its rows). So
+    it lands either before all of that work (``early``) or after all of it (``late``);
+    one never launched never lands."""
+
+    def __init__(self, when: str, monkeypatch):
+        self.when = when
+        self.pending: dict[int, tuple] = {}
+        self._eval, self._async_eval = mx.eval, mx.async_eval
+        monkeypatch.setattr(in_place, "store", self.store)
+        monkeypatch.setattr(mx, "eval", self._evaluating(self._eval))
+        monkeypatch.setattr(mx, "async_eval", self._evaluating(self._async_eval))
+
+    def store(self, array, idx, rows):
+        mark = mx.array([1])
+        self.pending[id(mark)] = (array, idx, rows)
+        return mark
+
+    def _land(self, stores):
+        for array, idx, rows in stores:
+            self._eval(array, idx, rows)
+            np.asarray(memoryview(array))[np.array(idx)] = np.array(rows)
+
+    def _evaluating(self, evaluate):
+        def run(*args):
+            launched = [self.pending.pop(id(a)) for a in _flat(args) if id(a) in self.pending]
+            if self.when == "early":
+                self._land(launched)
+            out = evaluate(*args)
+            if self.when == "late":
+                self._eval(*args)
+                self._land(launched)
+            return out
+
+        return run
+
+
+def _flat(x) -> list:
+    if isinstance(x, (list, tuple)):
+        return [a for y in x for a in _flat(y)]
+    if isinstance(x, dict):
+        return _flat(list(x.values()))
+    return [x]
 
 
 def answers_and_pool(model, tok, monkeypatch, stores: bool):
@@ -130,7 +174,10 @@ def answers_and_pool(model, tok, monkeypatch, stores: bool):
     warm(model, rpc, [prefix])
     tokens, logits, paths = engine_run(model, tok, rpc, prompts, [12, 9, 14, 12, 6], late=(3, 4))
     assert "shared" in paths
+    rpc.pool.launch_stores()
     mx.eval(rpc.pool.arrays)
+    # The engine's stream is mlx-lm's (thread-local): its stores may still be running.
+    mx.synchronize(generation_stream)
     return tokens, logits, [np.array(a.astype(mx.float32)) for a in rpc.pool.arrays]
 
 
@@ -148,15 +195,20 @@ def assert_bitwise(a, b):
 @pytest.mark.skipif(CUDA, reason="CUDA runs the kernel itself (below)")
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt_oss"])
 @pytest.mark.parametrize("variant", ["paged", "split", "masked"])
-def test_stores_in_place_give_the_scatters_answers_and_pool(loaded, arch, variant, monkeypatch):
-    """Every shared variant, rows joining mid-way: with the pool written under MLX as the
-    kernel writes it (emulated), the same tokens, logits and pool as with scatters, bit for
-    bit: no read of the engine relies on a write's being a new array."""
+@pytest.mark.parametrize("when", ["early", "late"])
+def test_stores_in_place_give_the_scatters_answers_and_pool(
+    loaded, arch, variant, when, monkeypatch
+):
+    """Every shared variant, rows joining mid-way: with the stores emulated as CUDA orders
+    them, the same tokens, logits and pool as with scatters, bit for bit. ``late`` failed
+    (llama's first request, logits 0.28 apart from its second token) while the first step
+    of a batch leaving prefill, mlx-lm's own, left its stores to the next step's launch."""
     model, tok = loaded(arch)
     monkeypatch.setattr(attention, "VARIANT", variant)
-    monkeypatch.setattr(in_place, "store", emulated_store)
     scatters = answers_and_pool(model, tok, monkeypatch, stores=False)
+    emulated = EmulatedStores(when, monkeypatch)
     assert_bitwise(scatters, answers_and_pool(model, tok, monkeypatch, stores=True))
+    assert not emulated.pending
 
 
 @pytest.mark.skipif(not CUDA, reason="the store kernel is CUDA's")

@@ -343,7 +343,8 @@ class RadixBatchGenerator(BatchGenerator):
         return expected
 
     def _pool_arrays(self) -> list[mx.array]:
-        return self.radix.pool.arrays
+        # A pass whose path changed under it may have stored in place: its launch takes them.
+        return self.radix.pool.arrays + self.radix.pool.take_marks()
 
     def _take_snapshots(self) -> None:
         """Take a hybrid model's recurrent state where its requests stand now: at the

@@ -10,11 +10,15 @@ building the graph and 3.9 launching it, against a 5.1 ms bandwidth floor; the d
 only once the host had launched (docs/gpu.md, "Decode writes in place").
 
 Here a kernel stores the rows through its input: the pool array is an input of the kernel,
-never an output, so MLX neither copies it nor replaces it, and nothing waits. What orders the
-write against reads is the stream: the kernel is launched with its step, so every later
-step reads after it; within the step, reads are of the rows' earlier positions and the
-step's own token is passed to the attention directly, so no read in the step touches the
-rows it writes.
+never an output, so MLX neither copies it nor replaces it, and nothing waits. MLX does not
+see the write, so only the stream orders it: on CUDA the kernels of one evaluation are nodes
+of one command graph, with edges only from an array's writer to its readers, and a store has
+no edge to a read of its rows in the same evaluation. So the kernel is launched with the step
+that made its rows (``KVPool.take_marks``), whose reads are of the rows' earlier positions
+(the step's own token is passed to the attention directly), and every later evaluation
+reads after it; a store no step launched is launched before anything else touches the pool
+(``KVPool.launch_stores``). tests/test_in_place.py holds the engine to this on the CPU,
+each store landing at either end of the evaluation that launches it.
 
 CUDA only, and only once ``check`` has compared it with MLX's scatter on this device for
 the dtype; elsewhere (Metal, the CPU) the pool writes by scatter as before.

@@ -511,9 +511,9 @@ class KVPool:
 
     @property
     def arrays(self) -> list[mx.array]:
-        """Every array of the pool: evaluate these to run pending writes."""
-        arrays = [a for chunk in self._chunks if chunk is not None for a in chunk[0] + chunk[1]]
-        return arrays + self._marks
+        """Every array of the pool: evaluate these to run pending scatters (stores in place
+        are launched apart: ``take_marks``, ``launch_stores``)."""
+        return [a for chunk in self._chunks if chunk is not None for a in chunk[0] + chunk[1]]
 
     @property
     def writes_in_place(self) -> bool:
@@ -525,6 +525,22 @@ class KVPool:
         with the step whose K/V they store, so every later read comes after them."""
         marks, self._marks = self._marks, []
         return marks
+
+    def launch_stores(self) -> None:
+        """Launch stores in place that no step's launch took: before anything else that
+        reads or writes the pool is built, and before the arrays are read outside MLX.
+
+        A store writes through its input, so MLX sees no write: within one evaluation
+        nothing orders it before a read of its rows (on CUDA the two are nodes of one
+        command graph with no edge between them), and only the stream orders it before
+        the evaluations after its own. A pass that mlx-lm runs itself (the first step of
+        a batch leaving prefill, in ``PromptProcessingBatch.generate``) builds stores no
+        launch takes: left for the next step's launch, they ran in that step's graph,
+        which reads their rows. On the H200 one request's float32 logits differed from
+        the scatters' by up to 0.28 from its second token.
+        """
+        if self._marks:
+            mx.async_eval(self.take_marks())
 
     def reading(self) -> None:
         """An evaluation about to start reads the pool and may still run when the next
@@ -557,6 +573,7 @@ class KVPool:
 
     def write_rows(self, layer: int, slots, keys: mx.array, values: mx.array) -> None:
         """Store ``(n, heads, dim)`` rows of one layer at ``n`` slots."""
+        self.launch_stores()
         g, base = self._where[layer]
         self._scattered = True
         for c, local, at in self._plan(slots).pieces:
@@ -585,6 +602,7 @@ class KVPool:
         (a decode step's ``(batch, heads, 1, dim)``); ``rows`` picks which of the ``m``
         go to ``slots``, all of them when None.
         """
+        self.launch_stores()
         in_place = in_place and self.writes_in_place
         self._scattered |= not in_place
         for g, layers in enumerate(self.groups):
@@ -604,6 +622,7 @@ class KVPool:
 
     def rows(self, layer: int, slots) -> tuple[mx.array, mx.array]:
         """One layer's K/V rows at ``slots``, ``(n, heads, dim)``."""
+        self.launch_stores()
         plan = self._plan(slots)
         g, base = self._where[layer]
         out = []
@@ -632,6 +651,7 @@ class KVPool:
         Whole arrays rather than views of the layer's slots: on the H200, 32 rows decoding
         with views took 926 tokens/s (stock 759), with whole arrays 1,250 (stock 848), a
         device call apart (docs/gpu.md)."""
+        self.launch_stores()
         g, base = self._where[layer]
         keys, values = self._chunks[chunk]
         return keys[g], values[g], base
@@ -639,6 +659,7 @@ class KVPool:
     def flat_views(self, layer: int) -> tuple[FlatViews, FlatViews]:
         """Layer ``layer``'s K and V rows in each chunk as ``(slots * heads, dim)`` views,
         which ``HeadSlots.gather`` reads; a chunk's view is made when first read."""
+        self.launch_stores()
         g, base = self._where[layer]
         return tuple(FlatViews(self._chunks, which, g, base, self.chunk_slots) for which in (0, 1))
 
@@ -648,6 +669,7 @@ class KVPool:
         The gathered rows are evaluated before the scatter so that the scatter is
         the only reader of each array and can update it in place.
         """
+        self.launch_stores()
         self.settle()
         self._scattered = True
         src, dst = self._plan(src), self._plan(dst)
