@@ -74,13 +74,26 @@ class SharedPrefixRule:
 #   / 9.9-12.5, but 32 rows 11.7-20.2 / 19.2-39.7 (not explained yet); on a shared prefix,
 #   8x1024 15.5-17.6 / 13.4-13.7, 32x2048 26.2 / 12.5-12.8, 32x4096 49.6-50.0 / 17.4-21.6.
 #   So up to 8 rows whatever the batch saves, and above that where the GPU rule above holds.
+# - CUDA with stores in place (memory/in_place.py: no shared step waits for the one before,
+#   and the kernels' one-row views end no command graph), H200, Llama-3-8B shape bf16,
+#   2026-12-03, one machine (a slow host: stock mlx-lm in process at 1.43x the floor), short
+#   prompts, ms a step exact / paged: in process with a 100,000-token pool, 1 row 12.2 / 6.4,
+#   32 rows 12.7 / 9.9; through the server, 32 rows 20.7 / 15.6 (1,312 / 1,696 tokens/s).
+#   So the shared path at every batch size.
 RULES = {
     "cpu": SharedPrefixRule(min_saved_tokens=5120, min_saved_fraction=0.5),
     "gpu": SharedPrefixRule(min_saved_tokens=32768, min_saved_fraction=0.5),
     "cuda": SharedPrefixRule(
         min_saved_tokens=32768, min_saved_fraction=0.5, any_saving_up_to_rows=8
     ),
+    "cuda_in_place": SharedPrefixRule(min_saved_tokens=0, min_saved_fraction=0.0),
 }
+
+
+def rule_for(where: str, stores_in_place: bool) -> SharedPrefixRule:
+    """The rule ``auto`` follows on ``where`` (``backend()``), with or without stores in
+    place (``KVPool.writes_in_place``)."""
+    return RULES["cuda_in_place"] if where == "cuda" and stores_in_place else RULES[where]
 
 
 def backend() -> str:

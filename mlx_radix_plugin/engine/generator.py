@@ -41,7 +41,7 @@ from ..cache.recurrent import Snapshot, cut_segments
 from ..memory import ranks
 from ..memory.allocator import OutOfPages
 from . import attention, prefill_path
-from .decode_path import RULES, DecodePath, backend
+from .decode_path import DecodePath, backend, rule_for
 from .decode_step import BulkGenerationBatch
 from .prefill_path import PoolPromptBatch
 from .step_clock import StepClock
@@ -119,7 +119,8 @@ class RadixBatchGenerator(BatchGenerator):
             )
             shared_prefix = "off"
         where = backend()
-        self.decode_path = DecodePath(shared_prefix, RULES[where], calls or 0, where == "cuda")
+        rule = rule_for(where, where == "cuda" and radix.pool.writes_in_place)
+        self.decode_path = DecodePath(shared_prefix, rule, calls or 0, where == "cuda")
         self.admit_together = ADMITS_TOGETHER[where]
         # Prompt batches read cached K/V from the pool, and hand finished rows to the
         # decode path's caches (engine/prefill_path.py).

@@ -170,12 +170,15 @@ def calibrate(
     import mlx.core as mx
     from mlx_lm import load
 
-    from ..engine.decode_path import RULES, backend
+    from ..engine.decode_path import backend, rule_for
+    from ..memory import in_place
+    from ..memory.pool import inspect_model
     from ..memory.prefix_groups import PrefixGroup
 
     model, _ = load(str(model_dir))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    rule = RULES[backend()]
+    where = backend()
+    rule = rule_for(where, where == "cuda" and in_place.available(inspect_model(model)[1]))
     rows = []
     for n, prefix_tokens in grid:
         rng = random.Random(f"{n}x{prefix_tokens}")
