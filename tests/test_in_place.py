@@ -8,9 +8,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generation_stream
-from test_shared_prefix import engine_run, on_a_shared_prefix, prefix_of, question, radix, warm
+from test_shared_prefix import (
+    PS,
+    admit,
+    engine_run,
+    on_a_shared_prefix,
+    prefix_of,
+    question,
+    radix,
+    warm,
+)
 
-from mlx_radix_plugin.engine import attention
+from mlx_radix_plugin import KVPool, RadixPromptCache
+from mlx_radix_plugin.engine import attention, generator
+from mlx_radix_plugin.engine.generator import RadixBatchGenerator
 from mlx_radix_plugin.memory import in_place
 
 CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
@@ -219,3 +230,32 @@ def test_the_engine_answers_and_pool_are_the_scatters_bitwise(loaded, arch, monk
     monkeypatch.setattr(attention, "VARIANT", "paged")
     scatters = answers_and_pool(model, tok, monkeypatch, stores=False)
     assert_bitwise(scatters, answers_and_pool(model, tok, monkeypatch, stores=True))
+
+
+@pytest.mark.parametrize("chunk_pages, path", [(None, "shared"), (2, "exact")])
+def test_auto_stores_in_place_where_the_paged_kernel_reads_every_page(
+    loaded, chunk_pages, path, monkeypatch
+):
+    """On CUDA with stores in place, 12 requests that share nothing decode on the shared
+    path while their pages lie in one chunk of the pool, and on the exact path (CUDA's rule
+    for more than 8 rows) where they span chunks, which the paged kernel does not read."""
+    model, tok = loaded("llama")
+    monkeypatch.setattr(generator, "backend", lambda: "cuda")
+    monkeypatch.setattr(in_place, "IN_PLACE", True)
+    monkeypatch.setattr(in_place, "store", scatter_store)
+    pool = KVPool.for_model(model, page_size=PS, pool_tokens=4096)
+    if chunk_pages is not None:
+        pool = KVPool(pool.specs, pool.max_pages, PS, pool.dtype, chunk_pages=chunk_pages)
+    rpc = RadixPromptCache(pool)
+    gen = RadixBatchGenerator(
+        model, rpc, shared_prefix="auto", completion_batch_size=16, prefill_batch_size=16
+    )
+    admit(gen, rpc, [question(tok, i) for i in range(12)], [6] * 12)
+    paths = []
+    for _ in range(8):
+        gen.next()
+        stats = gen.decode_stats
+        if stats["decode_rows"] == 12:
+            paths.append(stats["decode_path"])
+    assert paths and set(paths) == {path}, paths
+    gen.close()

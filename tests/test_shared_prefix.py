@@ -445,16 +445,33 @@ def test_a_model_that_hands_the_call_site_its_own_mask_keeps_the_exact_paths(cap
         ("cuda", 8, 1024, True),
         ("cuda", 32, 0, False),
         ("cuda", 32, 2048, True),
-        # With stores in place no step waits: 32 short rows 9.9 ms paged, 12.7 exact.
-        ("cuda_in_place", 1, 0, True),
-        ("cuda_in_place", 32, 0, True),
-        ("cuda_in_place", 32, 2048, True),
     ],
 )
 def test_auto_takes_the_shared_path_where_it_was_measured_faster(backend, rows, prefix, shared):
     group = PrefixGroup(tuple(range(rows)), tuple(range(prefix // 16)))
     lengths = [prefix + 32 + 16] * rows  # own question and half the measured steps
     assert RULES[backend].takes_shared([group], lengths, 16) is shared
+
+
+@pytest.mark.parametrize(
+    "rows, prefix, one_chunk, shared",
+    [
+        # With stores in place no step waits: 32 short rows 9.9 ms paged, 12.7 exact.
+        (1, 0, True, True),
+        (32, 0, True, True),
+        (32, 2048, True, True),
+        # Pages across chunks: the shared path gathers them, and CUDA's rule holds.
+        (8, 0, False, True),
+        (32, 0, False, False),
+        (32, 2048, False, True),
+    ],
+)
+def test_cuda_with_stores_in_place_takes_the_paged_kernel_wherever_it_reads(
+    rows, prefix, one_chunk, shared
+):
+    group = PrefixGroup(tuple(range(rows)), tuple(range(prefix // 16)))
+    lengths = [prefix + 32 + 16] * rows
+    assert RULES["cuda_in_place"].takes_shared([group], lengths, 16, one_chunk) is shared
 
 
 def test_a_batch_goes_shared_where_cuda_runs_the_paged_kernel(loaded, monkeypatch):

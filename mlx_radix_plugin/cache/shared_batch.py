@@ -41,13 +41,18 @@ def _padding(columns: int) -> int:
     return -columns % MASKED_BUCKET
 
 
+def pages_chunk(pages: list[list[int]], chunk_pages: int) -> int | None:
+    """The chunk of the pool holding every row's ``pages``; None where they span chunks."""
+    chunks = {p // chunk_pages for row in pages for p in row}
+    return chunks.pop() if len(chunks) == 1 else None
+
+
 def chunk_page_table(pages: list[list[int]], chunk_pages: int) -> tuple[int, np.ndarray] | None:
     """The chunk holding every row's ``pages``, and ``(rows, most pages)`` int32 the pages'
     numbers in it (0 past a row's own); None where the pages span chunks."""
-    chunks = {p // chunk_pages for row in pages for p in row}
-    if len(chunks) != 1:
+    chunk = pages_chunk(pages, chunk_pages)
+    if chunk is None:
         return None
-    chunk = chunks.pop()
     table = np.zeros((len(pages), max(map(len, pages))), dtype=np.int32)
     for r, row in enumerate(pages):
         table[r, : len(row)] = np.asarray(row) - chunk * chunk_pages

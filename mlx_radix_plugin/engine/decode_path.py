@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from ..cache.batch import BatchRows, rows_of
 from ..cache.pool_backed import PoolBackedCache
-from ..cache.shared_batch import SharedPrefixBatchCache
+from ..cache.shared_batch import SharedPrefixBatchCache, pages_chunk
 from ..memory.allocator import OutOfPages
 from ..memory.prefix_groups import PrefixGroup, group_rows
 from . import prefill_path
@@ -45,9 +45,21 @@ class SharedPrefixRule:
     # A batch of at most this many rows takes the shared path whatever it saves: its
     # attention costs less than the exact path's there (CUDA's paged kernel).
     any_saving_up_to_rows: int = 0
+    # Any batch whose pages lie in one chunk of the pool takes it: the paged kernel reads
+    # them in place (CUDA, with stores in place). Across chunks the shared path gathers.
+    any_batch_in_one_chunk: bool = False
 
-    def takes_shared(self, groups: list[PrefixGroup], lengths: list[int], page_size: int) -> bool:
-        if len(lengths) <= self.any_saving_up_to_rows:
+    def takes_shared(
+        self,
+        groups: list[PrefixGroup],
+        lengths: list[int],
+        page_size: int,
+        one_chunk: bool = False,
+    ) -> bool:
+        """``one_chunk``: every page of the batch lies in one chunk of the pool."""
+        if len(lengths) <= self.any_saving_up_to_rows or (
+            one_chunk and self.any_batch_in_one_chunk
+        ):
             return True
         stock = len(lengths) * max(lengths)
         shared = sum(g.tokens(page_size) for g in groups)
@@ -79,14 +91,20 @@ class SharedPrefixRule:
 #   2026-12-03, one machine (a slow host: stock mlx-lm in process at 1.43x the floor), short
 #   prompts, ms a step exact / paged: in process with a 100,000-token pool, 1 row 12.2 / 6.4,
 #   32 rows 12.7 / 9.9; through the server, 32 rows 20.7 / 15.6 (1,312 / 1,696 tokens/s).
-#   So the shared path at every batch size.
+#   So the shared path at every batch size the paged kernel reads (its pages in one chunk of
+#   the pool); across chunks the shared path gathers, and the CUDA rule above holds.
 RULES = {
     "cpu": SharedPrefixRule(min_saved_tokens=5120, min_saved_fraction=0.5),
     "gpu": SharedPrefixRule(min_saved_tokens=32768, min_saved_fraction=0.5),
     "cuda": SharedPrefixRule(
         min_saved_tokens=32768, min_saved_fraction=0.5, any_saving_up_to_rows=8
     ),
-    "cuda_in_place": SharedPrefixRule(min_saved_tokens=0, min_saved_fraction=0.0),
+    "cuda_in_place": SharedPrefixRule(
+        min_saved_tokens=32768,
+        min_saved_fraction=0.5,
+        any_saving_up_to_rows=8,
+        any_batch_in_one_chunk=True,
+    ),
 }
 
 
@@ -279,7 +297,10 @@ class DecodePath:
         pages = [t.pages for t in tables] + [p for p, _ in expected]
         lengths = lengths + [n for _, n in expected]
         groups = group_rows(pages, lengths, ps)
-        return self.rule.takes_shared(groups, lengths, ps)
+        one_chunk = self.rule.any_batch_in_one_chunk and (
+            pages_chunk(pages, rows.pool.allocator.chunk_pages) is not None
+        )
+        return self.rule.takes_shared(groups, lengths, ps, one_chunk)
 
     def _shared_caches(self, rows: BatchRows, caches: list) -> list:
         return [
