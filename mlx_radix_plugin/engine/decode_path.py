@@ -17,7 +17,7 @@ the pool, as admission does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -93,18 +93,12 @@ class SharedPrefixRule:
 #   32 rows 12.7 / 9.9; through the server, 32 rows 20.7 / 15.6 (1,312 / 1,696 tokens/s).
 #   So the shared path at every batch size the paged kernel reads (its pages in one chunk of
 #   the pool); across chunks the shared path gathers, and the CUDA rule above holds.
+_CUDA = SharedPrefixRule(min_saved_tokens=32768, min_saved_fraction=0.5, any_saving_up_to_rows=8)
 RULES = {
     "cpu": SharedPrefixRule(min_saved_tokens=5120, min_saved_fraction=0.5),
     "gpu": SharedPrefixRule(min_saved_tokens=32768, min_saved_fraction=0.5),
-    "cuda": SharedPrefixRule(
-        min_saved_tokens=32768, min_saved_fraction=0.5, any_saving_up_to_rows=8
-    ),
-    "cuda_in_place": SharedPrefixRule(
-        min_saved_tokens=32768,
-        min_saved_fraction=0.5,
-        any_saving_up_to_rows=8,
-        any_batch_in_one_chunk=True,
-    ),
+    "cuda": _CUDA,
+    "cuda_in_place": replace(_CUDA, any_batch_in_one_chunk=True),
 }
 
 

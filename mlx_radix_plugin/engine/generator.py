@@ -119,7 +119,7 @@ class RadixBatchGenerator(BatchGenerator):
             )
             shared_prefix = "off"
         where = backend()
-        rule = rule_for(where, where == "cuda" and radix.pool.writes_in_place)
+        rule = rule_for(where, radix.pool.writes_in_place)
         self.decode_path = DecodePath(shared_prefix, rule, calls or 0, where == "cuda")
         self.admit_together = ADMITS_TOGETHER[where]
         # Prompt batches read cached K/V from the pool, and hand finished rows to the

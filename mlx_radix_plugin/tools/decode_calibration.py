@@ -177,8 +177,7 @@ def calibrate(
 
     model, _ = load(str(model_dir))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    where = backend()
-    rule = rule_for(where, where == "cuda" and in_place.available(inspect_model(model)[1]))
+    rule = rule_for(backend(), in_place.available(inspect_model(model)[1]))
     rows = []
     for n, prefix_tokens in grid:
         rng = random.Random(f"{n}x{prefix_tokens}")
