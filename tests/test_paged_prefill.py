@@ -16,6 +16,7 @@ from mlx_radix_plugin.cache.page_table import PageTable
 from mlx_radix_plugin.cache.paged_batch import PagedBatchKVCache
 from mlx_radix_plugin.engine.generator import RadixBatchGenerator
 from mlx_radix_plugin.engine.prefill_path import is_paged
+from mlx_radix_plugin.memory.freed_buffers import FreedBuffers
 
 
 def prefill_run(model, tok, rpc, prompts, *, prefill, step, late=(), shared="off"):
@@ -344,7 +345,7 @@ def test_a_pass_empties_mlx_s_buffer_cache_only_where_the_server_does_not_bound_
     prompts = [tok.encode("Once upon a time, in a quiet town by the sea,"), tok.encode("Hi")]
     stock = run_batch(model, tok, prompts, max_tokens=4, step=8)
     rpc = radix(model)
-    rpc.pool.buffer_cache_bounded = bounded
+    rpc.pool.freed_buffers = FreedBuffers(1 << 30) if bounded else None
     emptied = []
     real = mx.clear_cache
     monkeypatch.setattr(mx, "clear_cache", lambda: emptied.append(1) or real())

@@ -423,6 +423,8 @@ class RadixBatchGenerator(BatchGenerator):
         self.decode_path.count_step(self._generation_batch)
         configured = self.prefill_batch_size
         self.prefill_batch_size = self._prefill_rows()
+        if pool.freed_buffers is not None:
+            pool.freed_buffers.make_room()
         try:
             with self.clock.part("batch"):
                 responses = super()._next()

@@ -89,7 +89,7 @@ class PoolPromptBatch(PromptProcessingBatch):
         with two differences. Over the pool a pass takes fewer than ``prefill_step_size``
         queries where one layer's scores would pass the pool's working set
         (``PagedBatchKVCache.query_step``). And MLX's cache of freed buffers is not emptied
-        after each pass where the server bounds it (``KVPool.buffer_cache_bounded``): the
+        after each pass where the server bounds it (``KVPool.freed_buffers``): the
         bound already keeps it from holding a prefill's temporaries, and on the H200 (8B,
         a burst of 32 on a new 2,048-token prefix) each emptying took 12-16 ms of a pass
         that the first token waited for, and the next pass allocated its buffers again."""
@@ -112,7 +112,7 @@ class PoolPromptBatch(PromptProcessingBatch):
         bounded = paged.query_step(longest) if paged else None
         step = min(self.prefill_step_size, bounded or self.prefill_step_size)
         rows = rows_of(self.prompt_cache)
-        keep_freed = rows is not None and rows.pool.buffer_cache_bounded
+        keep_freed = rows is not None and rows.pool.freed_buffers is not None
         while tokens.shape[1] > 0:
             n = min(step, tokens.shape[1])
             self.model(tokens[:, :n], cache=self.prompt_cache)

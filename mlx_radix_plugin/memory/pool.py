@@ -55,6 +55,7 @@ from .budget import (
     plan_memory,
     working_bytes,
 )
+from .freed_buffers import FreedBuffers
 from .slots import HeadSlots, Slots
 
 # A chunk that has held no page this long is given back (the first chunk stays): long
@@ -263,9 +264,10 @@ class KVPool:
         # layer's scores have (engine/prefill_path.py). None: no bound.
         self.prefill_working_bytes: int | None = None
         self.query_heads: int | None = None
-        # Whether the server bounds MLX's cache of freed buffers (mx.set_cache_limit): a
-        # prompt pass then leaves the cache as it is (engine/prefill_path.py).
-        self.buffer_cache_bounded = False
+        # The server's bound on MLX's cache of freed buffers (mx.set_cache_limit), if it
+        # sets one: a prompt pass then leaves the cache as it is (engine/prefill_path.py),
+        # and a decode call starts with room in it (freed_buffers.py).
+        self.freed_buffers: FreedBuffers | None = None
         if chunk_pages is None:
             self._grow()
 

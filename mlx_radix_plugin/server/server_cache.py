@@ -33,6 +33,7 @@ from ..config import Config, cache_dir
 from ..memory import ranks
 from ..memory.budget import buffer_cache_limit, device_memory
 from ..memory.disk_tier import DiskTier, DiskTierOff
+from ..memory.freed_buffers import FreedBuffers
 from ..memory.pool import KVPool, UnsupportedModel, model_nbytes
 from .pins import PinError, Pins, prefill, read_pin_file
 
@@ -336,7 +337,7 @@ class ServerPromptCache:
         mx.set_cache_limit(limit)
         self.buffer_cache_limit = limit
         if self.radix is not None:
-            self.radix.pool.buffer_cache_bounded = True
+            self.radix.pool.freed_buffers = FreedBuffers(limit)
         log.info("MLX buffer cache limit: %.1f MiB", limit / 2**20)
         if mx.metal.is_available():
             # What stays wired (never paged out) on a Mac: the model, the pool's ceiling and
@@ -409,6 +410,8 @@ class ServerPromptCache:
         plan = radix.pool.plan if radix is not None else None
         stats["memory_plan"] = plan.as_dict() if plan is not None else None
         stats.update(mlx_memory_stats(self.buffer_cache_limit))
+        freed = radix.pool.freed_buffers if radix is not None else None
+        stats["mlx_cache_trims"] = freed.trims if freed is not None else 0
         if self.rank_stats is not None:
             stats["ranks"] = self.rank_stats
         return stats
