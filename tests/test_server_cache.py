@@ -68,6 +68,8 @@ def test_binding_a_model_sets_the_limit_and_stats_report_it(loaded, cache_limit)
     assert stats["mlx_active_bytes"] >= 0 and stats["mlx_cache_bytes"] >= 0
     text = render({**stats, **_decode_idle()}, {})
     assert f"mlx_radix_mlx_cache_bytes {stats['mlx_cache_bytes']}" in text
+    assert f"mlx_radix_mlx_cache_trims_total {stats['mlx_cache_trims']}" in text
+    assert server_cache.radix.pool.freed_buffers.limit == limit
 
 
 def test_a_fraction_of_0_leaves_mlx_its_own_limit(loaded, cache_limit):

@@ -8,7 +8,7 @@ limit the server sets (memory/budget.py: a burst's prefill temporaries, a 32-row
 buffer left by finished requests), every buffer of every later decode step, a thousand or so,
 was freed and allocated again, at each step, until the cache emptied.
 
-A call that decodes therefore starts with room: where the cache is within ``room`` bytes of
+Each call of the engine therefore starts with room: where the cache is within ``room`` bytes of
 its limit, the limit is lowered for a moment and a one-element array made, so that MLX
 releases its oldest buffers down to ``2 * room`` under the limit (MLX documents that a cache
 over its limit "will be reclaimed from the cache on the next allocation"; on the CPU
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-# A quarter of the limit: at least the buffers one decode step frees (a 32-row step of an
-# 8B model frees well under 100 MB: its logits, sampling and activations), and a trim leaves
-# half the limit to a prefill's next passes.
+# A quarter of the limit: more than one decode step frees (a 32-row step's largest buffers
+# are its logits, 32 x 128,256 float32 for Llama 3: 16 MB; the server's limit is at least
+# 256 MiB, and 1.8 GB on an H200 with an 8B model), and a trim leaves half the limit to a
+# prefill's next passes.
 ROOM_FRACTION = 0.25
 
 

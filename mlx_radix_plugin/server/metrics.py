@@ -143,6 +143,11 @@ METRICS = {
         "gauge",
         "Bytes MLX keeps as freed buffers for reuse.",
     ),
+    "mlx_cache_trims": (
+        "mlx_radix_mlx_cache_trims_total",
+        "counter",
+        "Engine calls that found MLX's cache of freed buffers full and released its oldest.",
+    ),
     "decode_steps_shared": (
         "mlx_radix_decode_steps_shared_total",
         "counter",

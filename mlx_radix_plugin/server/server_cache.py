@@ -409,9 +409,8 @@ class ServerPromptCache:
         stats["model_loads"] = self.model_loads
         plan = radix.pool.plan if radix is not None else None
         stats["memory_plan"] = plan.as_dict() if plan is not None else None
-        stats.update(mlx_memory_stats(self.buffer_cache_limit))
         freed = radix.pool.freed_buffers if radix is not None else None
-        stats["mlx_cache_trims"] = freed.trims if freed is not None else 0
+        stats.update(mlx_memory_stats(self.buffer_cache_limit, freed.trims if freed else 0))
         if self.rank_stats is not None:
             stats["ranks"] = self.rank_stats
         return stats
@@ -444,13 +443,15 @@ def public_model_key(model_key: Hashable | None) -> list | None:
     return [public_name(part) for part in model_key]
 
 
-def mlx_memory_stats(cache_limit: int | None) -> dict:
+def mlx_memory_stats(cache_limit: int | None, trims: int = 0) -> dict:
     """What MLX holds: live arrays (the model, the pool, working memory) and its cache of
     freed buffers, which takes device memory as much as live ones; ``cache_limit`` is the
-    limit the server set (None: MLX's own)."""
+    limit the server set (None: MLX's own), ``trims`` the engine's calls that found that
+    cache full and released its oldest buffers (memory/freed_buffers.py)."""
     return {
         "mlx_active_bytes": mx.get_active_memory(),
         "mlx_cache_bytes": mx.get_cache_memory(),
         "mlx_peak_bytes": mx.get_peak_memory(),
         "mlx_cache_limit_bytes": cache_limit,
+        "mlx_cache_trims": trims,
     }
