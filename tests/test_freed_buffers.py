@@ -4,7 +4,7 @@ server's limit keeps no buffer a step frees, and a step that starts with room ke
 import mlx.core as mx
 import pytest
 from test_generation import no_eos
-from test_shared_prefix import admit, radix, stock_run
+from test_shared_prefix import admit, decode, radix, stock_run
 
 from mlx_radix_plugin.engine.generator import RadixBatchGenerator
 from mlx_radix_plugin.memory.freed_buffers import FreedBuffers
@@ -84,11 +84,6 @@ def test_the_engine_trims_a_full_cache_once_and_its_steps_then_reuse_their_buffe
     gen = RadixBatchGenerator(model, rpc)
     uids = admit(gen, rpc, prompts, [12] * 2, logits_processors=[[no_eos(tok.eos_token_ids)]] * 2)
     fill(limit)
-    out = {u: [] for u in uids}
-    while sum(map(len, out.values())) < 24:
-        for r in gen.next()[1]:
-            out[r.uid].append(r.token)
-    gen.close()
-    assert [out[u] for u in uids] == expected
+    assert decode(gen, uids, 24) == expected
     assert freed.trims == 1
     assert mx.get_cache_memory() <= limit - freed.room

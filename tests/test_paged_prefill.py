@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models import llama
 from test_batch import run_batch
 from test_generation import KEY, no_eos
-from test_shared_prefix import Recorder, admit, prefix_of, question, radix, warm
+from test_shared_prefix import Recorder, admit, decode, prefix_of, question, radix, warm
 from tiny_models import ARCHS, CONFIGS
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
@@ -351,12 +351,7 @@ def test_a_pass_empties_mlx_s_buffer_cache_only_where_the_server_does_not_bound_
     monkeypatch.setattr(mx, "clear_cache", lambda: emptied.append(1) or real())
     gen = RadixBatchGenerator(model, rpc, prefill_step_size=8)
     uids = admit(gen, rpc, prompts, [4] * 2, logits_processors=[[no_eos(tok.eos_token_ids)]] * 2)
-    out = {u: [] for u in uids}
-    while sum(map(len, out.values())) < 8:
-        for r in gen.next()[1]:
-            out[r.uid].append(r.token)
-    gen.close()
-    assert [out[u] for u in uids] == stock
+    assert decode(gen, uids, 8) == stock
     assert bool(emptied) is not bounded
 
 

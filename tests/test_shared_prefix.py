@@ -81,6 +81,17 @@ def admit(gen, rpc, prompts, max_tokens, **kwargs) -> list[int]:
     )
 
 
+def decode(gen, uids, total: int) -> list[list[int]]:
+    """Step the engine ``gen`` until its requests ``uids`` have ``total`` tokens between them;
+    returns each request's tokens, in ``uids``' order, and closes it."""
+    out = {u: [] for u in uids}
+    while sum(map(len, out.values())) < total:
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+    gen.close()
+    return [out[u] for u in uids]
+
+
 def warm(model, rpc, prefixes):
     """Cache ``prefixes`` in the tree, as earlier requests would have."""
     gen = RadixBatchGenerator(model, rpc, shared_prefix="off")
