@@ -96,6 +96,13 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=0.0,
         maximum=1.0,
     ),
+    Setting(
+        "radix.hold_to_plan",
+        True,
+        "hold MLX's live memory to the memory plan: MLX's memory limit is the model, the pool "
+        "and the plan's working memory, and evaluation waits for the device where it would pass "
+        "it",
+    ),
     Setting("radix.eviction", "lru", "which cached prefixes go first", choices=("lru", "lfu")),
     Setting(
         "radix.snapshot_every",

@@ -55,3 +55,14 @@ def chunking(request, monkeypatch):
 
         monkeypatch.setattr(pool, "chunk_bytes_for", lambda ceiling, per_token: 1)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def mlx_memory_limit():
+    """MLX's memory limit as each test found it: it is the process's, and binding a server
+    cache sets it to the memory plan's (memory/working_set.py)."""
+    import mlx.core as mx
+
+    before = mx.get_memory_limit()
+    yield
+    mx.set_memory_limit(before)

@@ -109,6 +109,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
         "prefill.shared_prefix": "auto",
         "model.fuse_projections": "auto",
         "server.front": "on",  # every workload through the HTTP front, as on a GPU
+        "radix.hold_to_plan": True,
     }
 
     # The figures are what the rounds measured: medians, and ratios of those medians.
@@ -156,6 +157,10 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     for name in ("stock", "radix"):  # each alone, every request served
         assert (agent[name]["requests_served"], agent[name]["requests_failed"]) == (6, 0)
     assert agent["radix"]["buffer_bytes_peak"] >= 0 and agent["radix"]["mlx_peak_bytes"] > 0
+    # Working memory against the plan, measured by the server (memory/working_set.py).
+    radix = agent["radix"]
+    assert 0 < radix["working_peak_prefill_bytes"] <= radix["memory_plan"]["working_bytes"]
+    assert radix["mlx_memory_limit_bytes"] >= radix["memory_plan"]["working_bytes"]
     plan = agent["radix"]["memory_plan"]
     assert plan["model_bytes"] > 0 and agent["radix"]["pool_bytes_total"] <= plan["pool_max_bytes"]
     assert agent["wall_speedup"] == round(agent["stock"]["wall_s"] / agent["radix"]["wall_s"], 3)
@@ -174,6 +179,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert "| tiny | burst of 3 on a new 48-token prefix: prompt tokens computed |" in table
     assert "| tiny | decode, 3 requests on a cached 64-token prefix, 6 out: tokens/s |" in table
     assert "| tiny | agent loop, 2 clients x 3 turns of +16 on a 64-token prefix: wall |" in table
+    assert "on a 64-token prefix: memory against the plan |  | MLX peak " in table
 
 
 @pytest.mark.slow

@@ -131,8 +131,8 @@ def _joining_peak(prefill: str, working_bytes: int | None, shared: str = "off") 
     capacity = len(prefix) + 256  # the buffer's columns: mlx-lm grows it 256 at a time
     sizes = {
         # One layer: its rows' context gathered, then laid out with the new tokens as wide as
-        # the buffer (two copies), and the attention's float32 scores (4 query heads).
-        "layer": 2 * rows * capacity * token_kv + rows * 4 * own * width * 4,
+        # the buffer (two copies), and two float32 copies of the scores (4 query heads).
+        "layer": 2 * rows * capacity * token_kv + 2 * rows * 4 * own * width * 4,
         "suffix_kv": rows * own * layers * token_kv,
         "one_copy": len(prefix) * layers * token_kv,
     }

@@ -81,6 +81,31 @@ def test_a_fraction_of_0_leaves_mlx_its_own_limit(loaded, cache_limit):
     assert server_cache.stats()["mlx_cache_limit_bytes"] is None
 
 
+@pytest.mark.parametrize("hold", ["true", "false"])
+def test_binding_a_model_measures_working_memory_and_holds_mlx_to_the_plan(loaded, hold):
+    model, _ = loaded("llama")
+    before = mx.get_memory_limit()  # conftest sets it back after the test
+    env = {"MLX_RADIX_POOL_TOKENS": "4096", "MLX_RADIX_HOLD_TO_PLAN": hold}
+    server_cache = ServerPromptCache(load_config(environ=env))
+    server_cache.bind(model, ("m", None, None))
+    working = server_cache.radix.pool.working_set
+    assert working is server_cache.working_set and working.hold == (hold == "true")
+    working.begin_call()
+    working.end_call()
+    stats = server_cache.stats()
+    assert stats["working_bytes"] == server_cache.radix.pool.plan.working_bytes
+    assert stats["working_peak_decode_bytes"] == working.peaks["decode"]
+    if hold == "true":
+        assert stats["mlx_memory_limit_bytes"] == mx.get_memory_limit() == working.limit
+    else:
+        assert stats["mlx_memory_limit_bytes"] is None and mx.get_memory_limit() == before
+    text = render({**stats, **_decode_idle()}, {})
+    assert f"mlx_radix_working_peak_decode_bytes {working.peaks['decode']}" in text
+    # A model that keeps no pool (a draft model's falls back) gives MLX its limit back.
+    server_cache.bind(model, ("m2", None, None), draft_model=model)
+    assert server_cache.working_set is None and mx.get_memory_limit() == before
+
+
 def _decode_idle() -> dict:
     from mlx_radix_plugin.engine.decode_path import idle_stats
 

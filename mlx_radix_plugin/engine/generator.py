@@ -425,6 +425,9 @@ class RadixBatchGenerator(BatchGenerator):
         self.prefill_batch_size = self._prefill_rows()
         if pool.freed_buffers is not None:
             pool.freed_buffers.make_room()
+        working = pool.working_set
+        if working is not None:
+            working.begin_call()
         try:
             with self.clock.part("batch"):
                 responses = super()._next()
@@ -460,5 +463,7 @@ class RadixBatchGenerator(BatchGenerator):
                     if not table.prompt_committed:
                         self.radix.commit_progress(table)
         ranks.stepped()
+        if working is not None:
+            working.end_call()
         self.clock.end_call(decoding)
         return responses

@@ -57,6 +57,7 @@ from .budget import (
 )
 from .freed_buffers import FreedBuffers
 from .slots import HeadSlots, Slots
+from .working_set import WorkingSet
 
 # A chunk that has held no page this long is given back (the first chunk stays): long
 # enough that a server between two bursts keeps its pages, short enough that memory an
@@ -268,6 +269,9 @@ class KVPool:
         # sets one: a prompt pass then leaves the cache as it is (engine/prefill_path.py),
         # and a decode call starts with room in it (freed_buffers.py).
         self.freed_buffers: FreedBuffers | None = None
+        # The server's measure of each engine call's working memory, and MLX's memory limit
+        # from the plan (working_set.py); None outside the server.
+        self.working_set: WorkingSet | None = None
         if chunk_pages is None:
             self._grow()
 
@@ -438,6 +442,8 @@ class KVPool:
         self._chunks[c] = (keys, values)
         self.allocator.add_chunk(c)
         self.chunks_grown += 1
+        if self.working_set is not None:
+            self.working_set.hold_limit()
         return True
 
     def trim(self, idle_seconds: float | None = None, now: float | None = None) -> int:

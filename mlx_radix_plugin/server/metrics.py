@@ -148,6 +148,18 @@ METRICS = {
         "counter",
         "Engine calls that found MLX's cache of freed buffers full and released its oldest.",
     ),
+    "working_peak_prefill_bytes": (
+        "mlx_radix_working_peak_prefill_bytes",
+        "gauge",
+        "Most working memory a prompt pass held, from its start to the next pass or its "
+        "engine call's end (MLX's peak of live arrays less the model, the pool and its "
+        "snapshots).",
+    ),
+    "working_peak_decode_bytes": (
+        "mlx_radix_working_peak_decode_bytes",
+        "gauge",
+        "Most working memory the rest of an engine call held (its decode step, rows joining it).",
+    ),
     "decode_steps_shared": (
         "mlx_radix_decode_steps_shared_total",
         "counter",

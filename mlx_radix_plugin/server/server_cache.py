@@ -35,6 +35,7 @@ from ..memory.budget import buffer_cache_limit, device_memory
 from ..memory.disk_tier import DiskTier, DiskTierOff
 from ..memory.freed_buffers import FreedBuffers
 from ..memory.pool import KVPool, UnsupportedModel, model_nbytes
+from ..memory.working_set import WorkingSet
 from .pins import PinError, Pins, prefill, read_pin_file
 
 log = logging.getLogger("mlx_radix")
@@ -74,6 +75,7 @@ PER_HOST = (
     "radix.chunk_mib",
     "radix.snapshot_mib",
     "radix.buffer_cache_fraction",
+    "radix.hold_to_plan",
 )
 
 NOT_LOADED = "no model loaded yet"
@@ -88,6 +90,7 @@ class ServerPromptCache:
         self.model_key: Hashable | None = None
         self.fallback: str | None = NOT_LOADED
         self.buffer_cache_limit: int | None = None  # set on MLX at bind; None: MLX's own
+        self.working_set: WorkingSet | None = None  # the radix path's, at bind
         # Models loaded: each load starts an empty pool, and a client can ask for one by
         # naming another model (stock loads what is asked for), emptying everyone's cache.
         self.model_loads = 0
@@ -187,7 +190,7 @@ class ServerPromptCache:
         if reason is not None:
             log.warning("radix cache off for %s, stock prompt cache instead: %s", model_key, reason)
             self.stock = LRUPromptCache(*self._stock_args)
-        self._limit_buffer_cache(model)
+        self._limit_mlx_memory(model)
         self.model, self.tokenizer = model, tokenizer
         self.prefill_step = getattr(cli_args, "prefill_step_size", None) or 2048
         for path in self.config["radix.pin"] if self.radix is not None else ():
@@ -321,9 +324,18 @@ class ServerPromptCache:
             "" if done else f" (stopped after {seconds:g} s with writes left)",
         )
 
-    def _limit_buffer_cache(self, model) -> None:
+    def _limit_mlx_memory(self, model) -> None:
         """Bound MLX's cache of freed buffers by what the model, the pool and the batch
-        buffers leave."""
+        buffers leave, and measure (and, with ``radix.hold_to_plan``, hold) each engine
+        call's working memory to the plan's."""
+        if self.working_set is not None:
+            self.working_set.release()  # the last model's
+            self.working_set = None
+        if self.radix is not None:
+            pool = self.radix.pool
+            self.working_set = pool.working_set = WorkingSet(
+                pool, model_nbytes(model), self.radix.snapshots, self.config["radix.hold_to_plan"]
+            )
         fraction = self.config["radix.buffer_cache_fraction"]
         if not fraction:
             return
@@ -410,7 +422,9 @@ class ServerPromptCache:
         plan = radix.pool.plan if radix is not None else None
         stats["memory_plan"] = plan.as_dict() if plan is not None else None
         freed = radix.pool.freed_buffers if radix is not None else None
-        stats.update(mlx_memory_stats(self.buffer_cache_limit, freed.trims if freed else 0))
+        stats.update(
+            mlx_memory_stats(self.buffer_cache_limit, freed.trims if freed else 0, self.working_set)
+        )
         if self.rank_stats is not None:
             stats["ranks"] = self.rank_stats
         return stats
@@ -443,15 +457,26 @@ def public_model_key(model_key: Hashable | None) -> list | None:
     return [public_name(part) for part in model_key]
 
 
-def mlx_memory_stats(cache_limit: int | None, trims: int = 0) -> dict:
+def mlx_memory_stats(
+    cache_limit: int | None, trims: int = 0, working: WorkingSet | None = None
+) -> dict:
     """What MLX holds: live arrays (the model, the pool, working memory) and its cache of
     freed buffers, which takes device memory as much as live ones; ``cache_limit`` is the
     limit the server set (None: MLX's own), ``trims`` the engine's calls that found that
-    cache full and released its oldest buffers (memory/freed_buffers.py)."""
-    return {
+    cache full and released its oldest buffers (memory/freed_buffers.py); ``working`` the
+    radix path's measure of working memory against the plan's (memory/working_set.py)."""
+    stats = {
         "mlx_active_bytes": mx.get_active_memory(),
         "mlx_cache_bytes": mx.get_cache_memory(),
         "mlx_peak_bytes": mx.get_peak_memory(),
         "mlx_cache_limit_bytes": cache_limit,
         "mlx_cache_trims": trims,
+        "mlx_memory_limit_bytes": None,
+        "working_bytes": None,
+        "working_peak_prefill_bytes": 0,
+        "working_peak_decode_bytes": 0,
+        "working_peak_prefill_pass": None,
     }
+    if working is not None:
+        stats.update(working.stats(), mlx_peak_bytes=working.mlx_peak_bytes)
+    return stats

@@ -645,7 +645,14 @@ def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
                     s = server.stats()
                     extra["memory_plan"] = s["memory_plan"]
                     extra["pool_bytes_total"] = s["pool_bytes_total"]
-                    extra["mlx_peak_bytes"] = s["mlx_peak_bytes"]
+                    for key in (
+                        "mlx_peak_bytes",
+                        "working_peak_prefill_bytes",
+                        "working_peak_decode_bytes",
+                        "mlx_memory_limit_bytes",
+                        "working_peak_prefill_pass",
+                    ):
+                        extra[key] = s[key]
         except Exception as e:  # noqa: BLE001 - the server's failure is the result
             extra["server_failed"] = f"{type(e).__name__}: {e}"[:300]
         extra["device_memory_peak_bytes"] = device.stop()
@@ -693,6 +700,7 @@ def started(name: str, model_dir: Path, work: Path, args):
             "MLX_RADIX_PREFILL_SHARED_PREFIX": args.prefill_shared,
             "MLX_RADIX_MODEL_FUSE_PROJECTIONS": args.fuse_projections,
             "MLX_RADIX_SERVER_FRONT": args.front,
+            "MLX_RADIX_HOLD_TO_PLAN": str(args.hold_to_plan == "on").lower(),
             # The disk tier writes every committed page through: what that costs the steps.
             **(
                 {"MLX_RADIX_DISK_ENABLED": "1", "MLX_RADIX_DISK_DIR": str(work / "disk")}
@@ -895,6 +903,17 @@ def markdown(report: dict) -> str:
                     f"{r['mlx_cache_bytes_peak'] / 1e9:.1f} GB"
                 )
                 row(name, f"{loop}: the plugin's K/V and caches", "", held)
+            if r.get("working_peak_prefill_bytes") is not None:
+                plan = r["memory_plan"]
+                named = (plan["model_bytes"] + r["pool_bytes_total"] + plan["working_bytes"]) / 1e9
+                held = (
+                    f"MLX peak {r['mlx_peak_bytes'] / 1e9:.1f} GB against model + pool + "
+                    f"working {named:.1f} GB; working at peak: prefill "
+                    f"{r['working_peak_prefill_bytes'] / 1e9:.1f}, decode "
+                    f"{r['working_peak_decode_bytes'] / 1e9:.1f} of "
+                    f"{plan['working_bytes'] / 1e9:.1f} GB named"
+                )
+                row(name, f"{loop}: memory against the plan", "", held)
         if "floor" in s:
             f = s["floor"]
             if "in_process_over_floor" in f:
@@ -984,6 +1003,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         choices=["auto", "on", "off"],
         help="the plugin's server.front (HTTP in a process of its own)",
+    )
+    p.add_argument(
+        "--hold-to-plan",
+        default="on",
+        choices=["on", "off"],
+        help="the plugin's radix.hold_to_plan (MLX's memory limit from its memory plan)",
     )
     p.add_argument("--cached-prefix", type=int, default=4096, help="TTFT: shared prefix tokens")
     p.add_argument("--cached-requests", type=int, default=8, help="TTFT: requests timed")
@@ -1080,6 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill.shared_prefix": args.prefill_shared,
             "model.fuse_projections": args.fuse_projections,
             "server.front": args.front,
+            "radix.hold_to_plan": args.hold_to_plan == "on",
         },
         "shapes": [],
     }
