@@ -142,6 +142,9 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert burst["stock"]["prompt_tokens"] == burst["radix"]["prompt_tokens"] == 3 * (48 + 16)
     # The plugin computes the new prefix once; the questions each time.
     assert 48 + 3 * 16 <= burst["radix"]["prompt_tokens_computed"] < 3 * (48 + 16)
+    # The followers' passes read the pool (on the CPU, each row its own: auto groups on a GPU).
+    passes = burst["radix"]["prefill_passes"]
+    assert passes["per_row"] > 0 and passes["grouped"] >= 0
     for name in ("stock", "radix"):
         first, later = burst[name]["ttft_mean_s_by_round"]  # each round on a new prefix
         assert burst[name]["first_ttft_mean_s"] == first and burst[name]["ttft_mean_s"] == later
@@ -161,6 +164,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     radix = agent["radix"]
     assert 0 < radix["working_peak_prefill_bytes"] <= radix["memory_plan"]["working_bytes"]
     assert radix["mlx_memory_limit_bytes"] >= radix["memory_plan"]["working_bytes"]
+    assert sum(radix["prefill_passes"].values()) > 0
     plan = agent["radix"]["memory_plan"]
     assert plan["model_bytes"] > 0 and agent["radix"]["pool_bytes_total"] <= plan["pool_max_bytes"]
     assert agent["wall_speedup"] == round(agent["stock"]["wall_s"] / agent["radix"]["wall_s"], 3)
@@ -180,6 +184,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert "| tiny | decode, 3 requests on a cached 64-token prefix, 6 out: tokens/s |" in table
     assert "| tiny | agent loop, 2 clients x 3 turns of +16 on a 64-token prefix: wall |" in table
     assert "on a 64-token prefix: memory against the plan |  | MLX peak " in table
+    assert "| tiny | burst of 3 on a new 48-token prefix: the plugin's prompt passes |  | " in table
 
 
 @pytest.mark.slow

@@ -543,6 +543,7 @@ def measure_burst(servers: dict, args, rng_seed: int) -> dict:
     for name in servers:
         rounds = []
         with alone(servers, name) as server:
+            before = _prefill_passes(server) if name == "radix" else None
             for round_ in range(args.burst_rounds):
                 rng = Requests(rng_seed + round_, args.vocab)
                 prefix = _ids(rng, args.burst_prefix)
@@ -559,6 +560,8 @@ def measure_burst(servers: dict, args, rng_seed: int) -> dict:
                         "connection_retries": sum(r["retries"] for r in results),
                     }
                 )
+            # How the followers' prompt passes read the pool, over all rounds.
+            passes = _prefill_passes(server, before) if before is not None else None
         later = rounds[1:] or rounds
         out[name] = {
             **{
@@ -570,12 +573,21 @@ def measure_burst(servers: dict, args, rng_seed: int) -> dict:
             "prompt_tokens": rounds[-1]["prompt_tokens"],
             "prompt_tokens_computed": rounds[-1]["prompt_tokens_computed"],
             "connection_retries": sum(r["connection_retries"] for r in rounds),
+            **({"prefill_passes": passes} if name == "radix" else {}),
         }
     out["speedup"] = round(out["stock"]["ttft_mean_s"] / out["radix"]["ttft_mean_s"], 3)
     out["requests"] = args.burst
     out["shared_prefix"] = args.burst_prefix
     out["rounds"] = args.burst_rounds
     return out
+
+
+def _prefill_passes(server: ServerProcess, since: dict | None = None) -> dict:
+    """The plugin's prompt passes over the pool by how their rows read it (grouped: a
+    shared prefix once; per row), counted since ``since`` (an earlier return)."""
+    s = server.stats()
+    now = {path: s[f"prefill_passes_{path}"] for path in ("grouped", "per_row")}
+    return {k: v - (since or {}).get(k, 0) for k, v in now.items()}
 
 
 def _agent_session(server: ServerProcess, args, rng_seed: int) -> dict:
@@ -653,6 +665,7 @@ def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
                         "working_peak_prefill_pass",
                     ):
                         extra[key] = s[key]
+                    extra["prefill_passes"] = _prefill_passes(server)
         except Exception as e:  # noqa: BLE001 - the server's failure is the result
             extra["server_failed"] = f"{type(e).__name__}: {e}"[:300]
         extra["device_memory_peak_bytes"] = device.stop()
@@ -874,6 +887,10 @@ def markdown(report: dict) -> str:
             row(name, f"{burst}: the first burst's TTFT mean", stock, radix)
             stock, radix = (f"{b[k]['prompt_tokens_computed']:,}" for k in SERVERS)
             row(name, f"{burst}: prompt tokens computed", stock, radix)
+            passes = b["radix"].get("prefill_passes")
+            if passes:
+                read = f"{passes['grouped']} grouped, {passes['per_row']} per row"
+                row(name, f"{burst}: the plugin's prompt passes", "", read)
         if "agent" in s:
             a = s["agent"]
             loop = (
