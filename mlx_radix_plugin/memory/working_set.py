@@ -49,9 +49,10 @@ class _Pool(Protocol):
 
 
 class WorkingSet:
-    """Measures each engine call's working memory and, if ``hold``, sets MLX's memory limit
-    to the plan's before it. ``snapshots`` is the store of a hybrid model's recurrent
-    states (their bytes are the pool's, not working memory)."""
+    """Measures the engine's working memory, by prompt pass and the rest of each call, and,
+    if ``hold``, sets MLX's memory limit to the plan's before each call. ``snapshots`` is the
+    store of a hybrid model's recurrent states (their bytes are the pool's, not working
+    memory)."""
 
     def __init__(
         self, pool: _Pool, model_bytes: int, snapshots: _Sized | None = None, hold: bool = True
@@ -66,7 +67,8 @@ class WorkingSet:
         # K/V held outside the pool up to this is working memory; beyond it, the pool's
         # ceiling pays for it (KVPool._room_for_chunk), so it counts with the pool.
         self.reserve = pool.prefill_working_bytes or 0
-        self.peaks = dict.fromkeys(PHASES, 0)  # the largest call's working memory, by phase
+        # The most working memory a prompt pass held (prefill), and the rest of a call (decode).
+        self.peaks = dict.fromkeys(PHASES, 0)
         self.peak_pass: dict | None = None  # the prompt pass with the most working memory
         self.limit: int | None = None  # what MLX's memory limit was last set to
         self._mlx_limit: int | None = None  # MLX's own, which ``release`` sets back
