@@ -468,3 +468,24 @@ def test_auto_groups_a_pass_where_it_holds_less_than_each_row_s_own_read(rows, o
     caches[0].update_and_fetch(x, x)
     assert (batch.grouped_pass is not None) == grouped
     assert pool.prefill_passes == {"grouped": int(grouped), "per_row": int(not grouped)}
+
+
+def test_a_pass_s_estimate_counts_its_tokens_activations_and_staged_k_v(loaded):
+    """Each query of a pass adds its scores (two float32 copies a column) and, per row, its
+    activations through a layer and every layer's staged K/V (``prefill_token_bytes``, set
+    from the model when the engine is built)."""
+    from mlx_radix_plugin.memory.budget import activation_bytes_per_token
+
+    model, _ = loaded("llama")
+    rpc = radix(model)
+    RadixBatchGenerator(model, rpc)
+    pool = rpc.pool
+    activations = activation_bytes_per_token(model, pool.bytes_per_token) * pool.dtype.size // 4
+    assert pool.prefill_token_bytes == activations + pool.bytes_per_token
+    rows, heads, columns = 3, model.args.num_attention_heads, 100
+    tables = [PageTable(pool) for _ in range(rows)]
+    for t in tables:
+        t.prepare_write(0, columns)
+    cache = PagedBatchKVCache(BatchRows(pool, tables, [0] * rows), 0, object, [0] * rows)
+    per_query = cache._layer_bytes(1, columns) - cache._layer_bytes(0, columns)
+    assert per_query == 2 * rows * heads * columns * 4 + rows * pool.prefill_token_bytes

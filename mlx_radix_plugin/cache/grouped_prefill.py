@@ -104,14 +104,16 @@ class GroupedPass:
         """One layer's temporaries: its columns gathered and joined to the new tokens' (K
         and V), the pass's mask, and two float32 copies of every query's scores over every
         column (the scores by hand hold the masked scores and their softmax at once; a
-        fused call makes none)."""
+        fused call makes none), and its tokens' activations and staged K/V
+        (``KVPool.prefill_token_bytes``)."""
         pool = self.pool
         spec = pool.specs[layer]
         heads = pool.query_heads or spec.kv_heads
         queries = self.rows * self.step
         columns = self.cached + queries
         kv = 2 * columns * spec.bytes_per_token(pool.dtype)
-        return kv + queries * columns + 2 * heads * queries * columns * 4
+        scores = 2 * heads * queries * columns * 4
+        return kv + queries * columns + scores + queries * pool.prefill_token_bytes
 
     def gather(self, layer: int, heads: int) -> tuple[mx.array | None, mx.array | None]:
         """Layer ``layer``'s K and V at the cached columns, ``(heads, columns, dim)``, in the

@@ -171,7 +171,8 @@ class PagedBatchKVCache:
     def _layer_bytes(self, queries: int, columns: int, layer: int | None = None) -> int:
         """One layer's temporaries (``layer``, this one by default) in a pass of ``queries``
         over ``columns``: its rows' context gathered and laid out (two copies as wide as the
-        buffer), and two float32 copies of its queries' scores over them.
+        buffer), two float32 copies of its queries' scores over them, and its tokens'
+        activations and staged K/V (``KVPool.prefill_token_bytes``).
 
         A batch's mask is an array, with which MLX's attention computes the scores whole on
         CUDA and the CPU (cuDNN takes no boolean mask) and holds them with their masked copy
@@ -182,7 +183,8 @@ class PagedBatchKVCache:
         spec = pool.specs[self.layer if layer is None else layer]
         heads = pool.query_heads or spec.kv_heads
         laid_out = rows * self._capacity * spec.bytes_per_token(pool.dtype)
-        return 2 * laid_out + 2 * rows * heads * queries * columns * 4
+        scores = 2 * rows * heads * queries * columns * 4
+        return 2 * laid_out + scores + rows * queries * pool.prefill_token_bytes
 
     def _context(self, width: int) -> tuple[mx.array, mx.array]:
         """The pool's K and V rows of every row's tokens, right-aligned in ``width``."""

@@ -40,6 +40,7 @@ from ..cache.prompt_cache import RadixPromptCache
 from ..cache.recurrent import Snapshot, cut_segments
 from ..memory import ranks
 from ..memory.allocator import OutOfPages
+from ..memory.budget import activation_bytes_per_token
 from . import attention, prefill_path
 from .decode_path import DecodePath, backend, rule_for
 from .decode_step import BulkGenerationBatch
@@ -126,7 +127,11 @@ class RadixBatchGenerator(BatchGenerator):
         # decode path's caches (engine/prefill_path.py).
         heads = getattr(getattr(model, "args", None), "num_attention_heads", None)
         heads = heads if isinstance(heads, int) else None
-        prefill_path.enable(prefill_from_pool, radix.pool, heads, prefill_shared, calls)
+        pool = radix.pool
+        # The plan's bound is a float32 one; a pass's activations are in the model's dtype.
+        activations = activation_bytes_per_token(model, pool.bytes_per_token)
+        activations = activations * pool.dtype.size // 4
+        prefill_path.enable(prefill_from_pool, pool, heads, prefill_shared, calls, activations)
         self._prompt_batch = PoolPromptBatch.empty(
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )

@@ -265,6 +265,9 @@ class KVPool:
         # layer's scores have (engine/prefill_path.py). None: no bound.
         self.prefill_working_bytes: int | None = None
         self.query_heads: int | None = None
+        # What each token of a prompt pass holds besides a layer's context and scores: its
+        # activations through the layer and every layer's staged K/V (engine/prefill_path.py).
+        self.prefill_token_bytes = 0
         # The server's bound on MLX's cache of freed buffers (mx.set_cache_limit), if it
         # sets one: a prompt pass then leaves the cache as it is (engine/prefill_path.py),
         # and a decode call starts with room in it (freed_buffers.py).
