@@ -69,8 +69,8 @@ class BatchedDecodeContext:
         self.staged = staged or step == 1
         self.calls = 0  # layers that have run this pass
         self.pending_bytes = 0  # temporaries of its layers not yet evaluated (paged_batch.py)
-        # A prompt pass's shape, path and pieces, as the working set reports it.
-        self.report: dict = {"evaluations": 0}
+        # A prompt pass's shape, path and pieces, where a working set measures it.
+        self.report: dict | None = None
         self.offset: mx.array | None = None
         self.keys: dict[int, mx.array] = {}
         self.values: dict[int, mx.array] = {}

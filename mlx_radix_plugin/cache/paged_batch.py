@@ -90,28 +90,32 @@ class PagedBatchKVCache:
                     S,
                     lambda: sum(self._layer_bytes(S, prev + S, i) for i in range(rows.num_layers)),
                 )
-            path = "per_row" if rows.grouped_pass is None else "grouped"
-            rows.pool.prefill_passes[path] += 1
-            ctx.report.update(
-                path=path,
-                rows=len(rows.tables),
-                queries=S,
-                columns=prev + S,
-                layer_bytes=self._layer_bytes(S, prev + S)
-                if rows.grouped_pass is None
-                else rows.grouped_pass.layer_bytes(self.layer),
-            )
-            if rows.pool.working_set is not None:
-                rows.pool.working_set.begin_pass(ctx.report)
         grouped = rows.grouped_pass
+        if grouped is None:
+            need = self._layer_bytes(S, prev + S)
+        else:
+            need = grouped.layer_bytes(self.layer)
+        if ctx.calls == 0:
+            path = "per_row" if grouped is None else "grouped"
+            rows.pool.prefill_passes[path] += 1
+            if rows.pool.working_set is not None:
+                # What the working set reports of the pass, if it held the most.
+                ctx.report = {
+                    "path": path,
+                    "rows": len(rows.tables),
+                    "queries": S,
+                    "columns": prev + S,
+                    "layer_bytes": need,
+                    "evaluations": 0,
+                }
+                rows.pool.working_set.begin_pass(ctx.report)
         self._idx = prev + S
         # The pool is read before this pass's writes are queued (see the module's notes).
+        self._bound(ctx, keys, values, need)
         if grouped is not None:
-            self._bound(ctx, keys, values, grouped.layer_bytes(self.layer))
             self.grouped = (grouped, grouped.gather(self.layer, keys.shape[1]))
             laid_out = (keys, values)
         else:
-            self._bound(ctx, keys, values, self._layer_bytes(S, prev + S))
             self.grouped = None
             context = self._context(prev) if prev else (None, None)
             laid_out = [x[..., : prev + S, :] for x in self._laid_out(context, (keys, values))]
@@ -146,7 +150,8 @@ class PagedBatchKVCache:
         if ctx.pending_bytes and ctx.pending_bytes + need > budget:
             mx.eval(keys, values)
             ctx.pending_bytes = 0
-            ctx.report["evaluations"] += 1
+            if ctx.report is not None:
+                ctx.report["evaluations"] += 1
         ctx.pending_bytes += need
 
     def query_step(self, longest: int) -> int | None:
