@@ -4,11 +4,13 @@ the models in use have (grouped query heads, head sizes, windows, sinks, split r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_radix_plugin.cache.shared_batch import chunk_page_table
+from mlx_radix_plugin.cache.shared_batch import chunk_page_tables
 from mlx_radix_plugin.engine import paged_attention as pa
 
 CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
@@ -84,6 +86,48 @@ def test_the_mlx_form_is_a_softmax_over_each_rows_pages_and_its_token(geometry):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
+def over_two_chunks(host, at: pa.PagedLayer, seed: int) -> list[pa.PagedLayer]:
+    """``at``'s pages over two chunks, each with arrays of its own: a random half moves to
+    the second, and each chunk holds noise where the other holds a page's rows."""
+    rng = np.random.default_rng(seed)
+    pages, ps, base = host["pages"], at.page_size, host["base"]
+    moved = rng.random(pages.shape) < 0.5
+    second = np.zeros(host["k_pool"].shape[0], dtype=bool)
+    for p in pages[moved]:
+        second[base + p * ps : base + (p + 1) * ps] = True
+    dtype = at.keys.dtype
+    layers = []
+    tables = (np.where(moved, -1, pages), np.where(moved, pages, -1))
+    for mine, table in zip((~second, second), tables):
+        arrays = []
+        for name in ("k_pool", "v_pool"):
+            x = host[name]
+            noise = rng.standard_normal(x.shape).astype(np.float32) * 9
+            arrays.append(mx.array(np.where(mine[:, None, None], x, noise)).astype(dtype))
+        layers.append(replace(at, keys=arrays[0], values=arrays[1], pages=mx.array(table)))
+    return layers
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_over_two_chunks_the_mlx_form_reads_each_page_from_its_own(geometry):
+    host, args, at = problem(2, geometry)
+    got = np.array(pa.reference(*args, over_two_chunks(host, at, 3)))
+    want = by_hand(host, at, geometry[1])
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on MLX's CUDA backend only")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_over_two_chunks_the_kernel_gives_the_mlx_forms_output(geometry, dtype):
+    host, args, at = problem(4, geometry, dtype)
+    two = over_two_chunks(host, at, 5)
+    got = pa.paged_attention(*args, two).astype(mx.float32)
+    want = pa.reference(*args, two).astype(mx.float32)
+    limit = 1e-5 if dtype == mx.float32 else 1e-2
+    assert mx.abs(got - want).max().item() <= limit * mx.abs(want).max().item()
+
+
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on MLX's CUDA backend only")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
@@ -114,8 +158,11 @@ def test_rows_split_over_blocks_until_the_batch_fills_the_device():
     assert pa._splits(1, 8, 100_000) == 66
 
 
-def test_the_kernels_page_table_names_each_rows_pages_in_their_chunk():
-    chunk, table = chunk_page_table([[4, 6], [5, 7, 4]], chunk_pages=4)
+def test_the_kernels_page_tables_name_each_rows_pages_in_their_chunk():
+    [(chunk, table)] = chunk_page_tables([[4, 6], [5, 7, 4]], chunk_pages=4)
     assert chunk == 1 and table.tolist() == [[0, 2, 0], [1, 3, 0]]
-    # Rows whose pages span two chunks: not for the kernel (the MLX-ops variants read them).
-    assert chunk_page_table([[4, 6], [1, 7]], chunk_pages=4) is None
+    # Rows whose pages span chunks: a table a chunk, -1 where a page is in another.
+    (c1, t1), (c2, t2) = chunk_page_tables([[4, 9], [8, 5, 6]], chunk_pages=4)
+    assert (c1, t1.tolist()) == (1, [[0, -1, 0], [-1, 1, 2]])
+    assert (c2, t2.tolist()) == (2, [[-1, 1, 0], [0, -1, -1]])
+    assert chunk_page_tables([[], []], chunk_pages=4) == []

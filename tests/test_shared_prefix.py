@@ -471,7 +471,7 @@ def test_auto_takes_the_shared_path_where_it_was_measured_faster(backend, rows, 
         (1, 0, True, True),
         (32, 0, True, True),
         (32, 2048, True, True),
-        # Pages across chunks: the shared path gathers them, and CUDA's rule holds.
+        # Pages across chunks: the kernel reads them a chunk at a time; CUDA's rule holds.
         (8, 0, False, True),
         (32, 0, False, False),
         (32, 2048, False, True),

@@ -47,16 +47,23 @@ def pages_chunk(pages: list[list[int]], chunk_pages: int) -> int | None:
     return chunks.pop() if len(chunks) == 1 else None
 
 
-def chunk_page_table(pages: list[list[int]], chunk_pages: int) -> tuple[int, np.ndarray] | None:
-    """The chunk holding every row's ``pages``, and ``(rows, most pages)`` int32 the pages'
-    numbers in it (0 past a row's own); None where the pages span chunks."""
-    chunk = pages_chunk(pages, chunk_pages)
-    if chunk is None:
-        return None
-    table = np.zeros((len(pages), max(map(len, pages))), dtype=np.int32)
+def chunk_page_tables(pages: list[list[int]], chunk_pages: int) -> list[tuple[int, np.ndarray]]:
+    """For each chunk of the pool holding some of the rows' ``pages``, in order: the chunk,
+    and ``(rows, most pages)`` int32 the pages' numbers in it, -1 where a page lies in
+    another chunk (0 past a row's own)."""
+    width = max(map(len, pages), default=0)
+    if not width:
+        return []
+    table = np.zeros((len(pages), width), dtype=np.int64)
     for r, row in enumerate(pages):
-        table[r, : len(row)] = np.asarray(row) - chunk * chunk_pages
-    return chunk, table
+        table[r, : len(row)] = row
+    chunk = table // chunk_pages
+    own = np.arange(width)[None, :] < np.array([len(row) for row in pages])[:, None]
+    elsewhere = np.where(own, -1, 0)
+    return [
+        (int(c), np.where(chunk == c, table - c * chunk_pages, elsewhere).astype(np.int32))
+        for c in np.unique(chunk[own])
+    ]
 
 
 class SharedRows:
@@ -111,16 +118,16 @@ class SharedRows:
         self._prefix_index: dict[tuple[int, int], HeadSlots] = {}
         self._paged: tuple | None = None  # (pages a row, its paged_pages)
 
-    def paged_pages(self, rows: BatchRows) -> tuple[int, mx.array] | None:
-        """``chunk_page_table`` of the rows' pages, as the paged kernel reads them; made
+    def paged_pages(self, rows: BatchRows) -> list[tuple[int, mx.array]]:
+        """``chunk_page_tables`` of the rows' pages, as the paged kernel reads them; made
         again only when a row has taken a page (each ``page_size`` steps) or a table changed
         its pages."""
         ps = self.pool.page_size
         used = tuple((-(-n // ps), t.changes) for t, n in zip(rows.tables, rows.lengths))
         if self._paged is None or self._paged[0] != used:
             held = [t.pages[:n] for t, (n, _) in zip(rows.tables, used)]
-            table = chunk_page_table(held, self.pool.allocator.chunk_pages)
-            self._paged = (used, None if table is None else (table[0], mx.array(table[1])))
+            tables = chunk_page_tables(held, self.pool.allocator.chunk_pages)
+            self._paged = (used, [(chunk, mx.array(table)) for chunk, table in tables])
         return self._paged[1]
 
     def prefix_slots(self, group: int) -> np.ndarray:
@@ -160,12 +167,13 @@ class SharedPass:
         self._rows = rows
         self._paged: tuple | None = None  # paged_pages, asked once a pass
 
-    def paged_pages(self) -> tuple[int, mx.array, int] | None:
+    def paged_pages(self) -> tuple[list[tuple[int, mx.array]], int] | None:
         """``SharedRows.paged_pages`` and the rows' longest length, as the paged kernel reads
-        them: worked out by the pass's first layer, read by every other."""
+        them (None where no row has a page yet): worked out by the pass's first layer, read
+        by every other."""
         if self._paged is None:
-            layout = self.shared.paged_pages(self._rows)
-            self._paged = (None if layout is None else (*layout, max(self.lengths)),)
+            tables = self.shared.paged_pages(self._rows)
+            self._paged = ((tables, max(self.lengths)) if tables else None,)
         return self._paged[0]
 
     def own_index(self, heads: int) -> HeadSlots:

@@ -377,20 +377,23 @@ def paged(
     scale: float,
     sinks: mx.array | None = None,
 ) -> mx.array | None:
-    """The step through the paged kernel: each row's pages read in place. None where it
-    cannot serve (the rows' pages span chunks of the pool; the kernel failed its check on
-    this device for this geometry): the MLX-ops variants do then."""
+    """The step through the paged kernel: each row's pages read in place, a call for each
+    chunk of the pool they lie in. None where it cannot serve (no row has a page in the pool
+    yet; the kernel failed its check on this device for this geometry): the MLX-ops variants
+    do then."""
     step = cache.step
     layout = step.paged_pages()
     if layout is None:
         return None
-    chunk, pages, longest = layout
+    tables, longest = layout
     pool = step.pool
-    k_pool, v_pool, base = pool.layer_arrays(cache.layer, chunk)
-    at = paged_attention.PagedLayer(
-        k_pool, v_pool, base, pages, step.positions, longest, pool.page_size, scale,
-        cache.window, sinks,
-    )  # fmt: skip
+    at = []
+    for chunk, pages in tables:
+        k_pool, v_pool, base = pool.layer_arrays(cache.layer, chunk)
+        at.append(paged_attention.PagedLayer(
+            k_pool, v_pool, base, pages, step.positions, longest, pool.page_size, scale,
+            cache.window, sinks,
+        ))  # fmt: skip
     if mx.default_device() == mx.cpu:
         return paged_attention.reference(queries, keys, values, at)
     geometry = (queries.dtype, queries.shape[1], keys.shape[1], keys.shape[-1])

@@ -46,7 +46,8 @@ class SharedPrefixRule:
     # attention costs less than the exact path's there (CUDA's paged kernel).
     any_saving_up_to_rows: int = 0
     # Any batch whose pages lie in one chunk of the pool takes it: the paged kernel reads
-    # them in place (CUDA, with stores in place). Across chunks the shared path gathers.
+    # them in place (CUDA, with stores in place). Across chunks it runs once a chunk, which
+    # was not measured against the exact path: there the shared path is taken by what it saves.
     any_batch_in_one_chunk: bool = False
 
     def takes_shared(

@@ -18,6 +18,13 @@ block's warps merge theirs in shared memory. Sliding windows and attention sinks
 same rule as mlx-lm's: a query at position ``n`` sees keys ``n - window + 1 .. n``; a sink
 is one more logit a query head, with no value.
 
+The pool's storage comes in chunks, each its own arrays (memory/pool.py), and a batch's pages
+may lie in several once the pool has grown. The kernel then runs once a chunk, each call
+skipping the pages of the others and one of them taking the step's token, and the merge takes
+every call's partial states. Before, such a batch took the MLX-ops variants, which gather each
+row's own tokens a layer: on the H200 (8B, 32 agents on an 8,192-token prefix, a pool of three
+chunks), a decode step then held 16.1 GB of working memory (docs/gpu.md).
+
 CUDA only, and only once ``check`` has compared it with the MLX-ops form on this device for
 the model's geometry; elsewhere (Metal, the CPU) the shared path's MLX-ops variants serve.
 """
@@ -26,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -48,10 +56,10 @@ constexpr float NO_SCORE = -1e30f;  // finite: a part with no key merges with we
 
 # Inputs: q (B, Hq, 1, DK), kn (B, Hkv, 1, DK), vn (B, Hkv, 1, DV): any strides; kp, vp: a
 # pool array (rows, Hkv, D), contiguous; pages (B, P) int32: each row's pages, local to the
-# array's chunk; lengths (B,) int32: positions a row has in the pool (the step's token is
-# at that position); base (1,) int32: the layer's first row in kp/vp; scale (1,) float32;
-# sinks (Hq,) where the model has them (the unsplit kernel: a split one leaves them to the
-# merge).
+# array's chunk, -1 where a page lies in another chunk; lengths (B,) int32: positions a row
+# has in the pool (the step's token is at that position); base (1,) int32: the layer's first
+# row in kp/vp; scale (1,) float32; sinks (Hq,) where the model has them (the unsplit kernel:
+# a split one leaves them to the merge). Template OWN: 1 where the call reads the step's token.
 _ATTEND = """
 constexpr int PK = (DK + 31) / 32;
 constexpr int PV = (DV + 31) / 32;
@@ -87,7 +95,9 @@ const int64_t first_row = base[0];
 for (int p = lo + warp; p < hi; p += WARPS) {
   float k[PK], v[PV];
   if (p < len) {
-    const int64_t row = (first_row + (int64_t)row_pages[p / PS] * PS + p % PS) * Hkv + h;
+    const int page = row_pages[p / PS];
+    if (page < 0) continue;  // in another chunk of the pool, which another call reads
+    const int64_t row = (first_row + (int64_t)page * PS + p % PS) * Hkv + h;
     const auto* kr = kp + row * DK;
     const auto* vr = vp + row * DV;
 #pragma unroll
@@ -100,7 +110,8 @@ for (int p = lo + warp; p < hi; p += WARPS) {
       const int d = lane * PV + i;
       v[i] = d < DV ? static_cast<float>(vr[d]) : 0.f;
     }
-  } else {  // the step's own token
+  } else {  // the step's own token, read by one chunk's call
+    if (OWN == 0) continue;
     const int64_t ka = (int64_t)b * kn_strides[0] + (int64_t)h * kn_strides[1];
     const int64_t va = (int64_t)b * vn_strides[0] + (int64_t)h * vn_strides[1];
 #pragma unroll
@@ -270,12 +281,13 @@ def _splits(rows: int, kv_heads: int, longest: int) -> int:
 
 @dataclass(frozen=True)
 class PagedLayer:
-    """Where one layer's K/V lie for a decode step, and how it attends to them."""
+    """Where one layer's K/V lie in one chunk of the pool for a decode step, and how it
+    attends to them."""
 
     keys: mx.array  # a pool array (rows, Hkv, DK) holding the layer's rows from ``base``
     values: mx.array  # its value array (rows, Hkv, DV)
     base: int
-    pages: mx.array  # (B, P) int32: each row's pages in that array's chunk
+    pages: mx.array  # (B, P) int32: each row's pages in that array's chunk, -1 in another
     lengths: mx.array  # (B,) int32: the positions each row has there
     longest: int  # the most of them
     page_size: int
@@ -284,12 +296,21 @@ class PagedLayer:
     sinks: mx.array | None = None  # (Hq,): one more logit a query head
 
 
+def _parts(at: PagedLayer | Sequence[PagedLayer]) -> list[PagedLayer]:
+    return [at] if isinstance(at, PagedLayer) else list(at)
+
+
 def paged_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, at: PagedLayer
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    at: PagedLayer | Sequence[PagedLayer],
 ) -> mx.array:
     """One decode step's attention, ``(B, Hq, 1, DV)``: ``queries`` ``(B, Hq, 1, DK)`` over
     each row's positions in the pool and the step's own ``keys``/``values``
-    ``(B, Hkv, 1, D)``."""
+    ``(B, Hkv, 1, D)``; ``at`` one layer per chunk the rows' pages lie in."""
+    parts = _parts(at)
+    at = parts[0]
     B, Hq, _, DK = queries.shape
     Hkv, DV = keys.shape[1], values.shape[-1]
     S = _splits(B, Hkv, at.longest + 1)
@@ -304,36 +325,45 @@ def paged_attention(
     ]
     sinks = at.sinks is not None
     tail = [at.sinks] if sinks else []
-    inputs = [
-        queries,
-        keys,
-        values,
-        # One-row views: the kernel addresses rows from the array's start, and a whole pool
-        # array as an input ended MLX's command graph at every layer (in_place.head).
-        head(at.keys),
-        head(at.values),
-        at.pages,
-        at.lengths,
-        _constant(at.base, mx.int32),
-        _constant(float(at.scale), mx.float32),
-    ]
+
+    def inputs(part: PagedLayer) -> list[mx.array]:
+        return [
+            queries,
+            keys,
+            values,
+            # One-row views: the kernel addresses rows from the array's start, and a whole
+            # pool array as an input ended MLX's command graph at every layer (in_place.head).
+            head(part.keys),
+            head(part.values),
+            part.pages,
+            part.lengths,
+            _constant(part.base, mx.int32),
+            _constant(float(part.scale), mx.float32),
+        ]
+
     grid, group = (WARPS * 32 * S, Hkv, B), (WARPS * 32, 1, 1)
-    if S == 1:
+    if S == 1 and len(parts) == 1:
         return _kernel(False, sinks)(
-            inputs=inputs + tail,
-            template=template,
+            inputs=inputs(at) + tail,
+            template=template + [("OWN", 1)],
             grid=grid,
             threadgroup=group,
             output_shapes=[(B, Hq, 1, DV)],
             output_dtypes=[queries.dtype],
         )[0]
-    part_o, part_m, part_l = _kernel(True, sinks)(
-        inputs=inputs,
-        template=template,
-        grid=grid,
-        threadgroup=group,
-        output_shapes=[(B, Hq, S, DV), (B, Hq, S), (B, Hq, S)],
-        output_dtypes=[mx.float32] * 3,
+    states = [
+        _kernel(True, sinks)(
+            inputs=inputs(part),
+            template=template + [("OWN", int(i == 0))],
+            grid=grid,
+            threadgroup=group,
+            output_shapes=[(B, Hq, S, DV), (B, Hq, S), (B, Hq, S)],
+            output_dtypes=[mx.float32] * 3,
+        )
+        for i, part in enumerate(parts)
+    ]
+    part_o, part_m, part_l = (
+        states[0] if len(states) == 1 else [mx.concatenate(x, axis=2) for x in zip(*states)]
     )
     width = min(128, 32 * -(-DV // 32))
     return _kernel(False, sinks, merge=True)(
@@ -346,23 +376,35 @@ def paged_attention(
     )[0]
 
 
-def reference(queries: mx.array, keys: mx.array, values: mx.array, at: PagedLayer) -> mx.array:
-    """``paged_attention`` in MLX operations (a gather of each row's positions, a mask, and
-    MLX's fused attention): what ``check`` compares the kernel with."""
+def reference(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    at: PagedLayer | Sequence[PagedLayer],
+) -> mx.array:
+    """``paged_attention`` in MLX operations (a gather of each row's positions in each chunk,
+    a mask, and MLX's fused attention): what ``check`` compares the kernel with."""
+    parts = _parts(at)
+    at = parts[0]
     B = queries.shape[0]
-    P, ps = at.pages.shape[1], at.page_size
-    pos = mx.arange(P * ps)
-    rows = at.base + at.pages[:, pos // ps] * ps + pos % ps  # (B, P * ps)
-    k = mx.concatenate([at.keys[rows].transpose(0, 2, 1, 3), keys], axis=2)
-    v = mx.concatenate([at.values[rows].transpose(0, 2, 1, 3), values], axis=2)
-    cols = mx.concatenate([pos, mx.array([P * ps])])[None]
     n = at.lengths[:, None]
-    seen = (cols < n) | (cols == P * ps)
-    if at.window:
-        # The step's token is column P * ps, at position n; column j < n at position j.
-        where = mx.where(cols == P * ps, n, cols)
-        seen = seen & (where >= n + 1 - at.window)
-    mask = seen.reshape(B, 1, 1, -1)
+    ks, vs, seen = [], [], []
+    for part in parts:
+        P, ps = part.pages.shape[1], part.page_size
+        pos = mx.arange(P * ps)
+        page = part.pages[:, pos // ps]
+        rows = part.base + mx.maximum(page, 0) * ps + pos % ps  # (B, P * ps)
+        ks.append(part.keys[rows].transpose(0, 2, 1, 3))
+        vs.append(part.values[rows].transpose(0, 2, 1, 3))
+        # Column j holds position j, in this chunk where its page is (-1: another's).
+        visible = (pos[None] < n) & (page >= 0)
+        if at.window:
+            visible = visible & (pos[None] >= n + 1 - at.window)
+        seen.append(visible)
+    k = mx.concatenate([*ks, keys], axis=2)
+    v = mx.concatenate([*vs, values], axis=2)
+    # The step's token, at position n, is seen whatever the window.
+    mask = mx.concatenate([*seen, mx.ones((B, 1), dtype=mx.bool_)], axis=1).reshape(B, 1, 1, -1)
     return mx.fast.scaled_dot_product_attention(
         queries, k, v, scale=at.scale, mask=mask, sinks=at.sinks
     ).astype(queries.dtype)
@@ -428,12 +470,19 @@ def _compare(dtype, Hq, Hkv, DK, DV, ps, window, sinks) -> bool:
         s = mx.random.normal((Hq,), key=ks[6]).astype(dtype) if sinks else None
         n = mx.array(lengths, dtype=mx.int32)
         at = PagedLayer(k_pool, v_pool, base, pages, n, max(lengths), ps, DK**-0.5, window, s)
-        got = paged_attention(q, kn, vn, at).astype(mx.float32)
-        want = reference(q, kn, vn, at).astype(mx.float32)
-        err = mx.abs(got - want).max().item()
-        if not math.isfinite(err):
-            return False
-        worst = max(worst, err / max(mx.abs(want).max().item(), 1e-6))
-        key = ks[7]
+        # The same rows with their pages over two chunks, the second with arrays of its own.
+        other = mx.random.bernoulli(key=ks[7], shape=pages.shape)
+        two = [
+            replace(at, pages=mx.where(other, -1, pages)),
+            replace(at, keys=-k_pool, values=0.5 * v_pool, pages=mx.where(other, pages, -1)),
+        ]
+        for layout in (at, two):
+            got = paged_attention(q, kn, vn, layout).astype(mx.float32)
+            want = reference(q, kn, vn, layout).astype(mx.float32)
+            err = mx.abs(got - want).max().item()
+            if not math.isfinite(err):
+                return False
+            worst = max(worst, err / max(mx.abs(want).max().item(), 1e-6))
+        key = mx.random.split(ks[7])[0]
     # bf16 rounds at 2^-8 of a value; fp16 at 2^-11; float32 sums differ by far less.
     return worst <= {mx.float32: 1e-4, mx.float16: 4e-3}.get(dtype, 2e-2)
