@@ -138,7 +138,7 @@ def words(tokenizer, text):
 def test_requests_one_after_another_equal_stock_and_resume_from_snapshots(loaded, arch):
     model, tok = loaded(arch)
     server = Server(model, tok)
-    system = words(tok, "You are a helpful assistant. Answer the question briefly. " * 2)
+    system = words(tok, "You are a helpful assistant. Answer the question briefly. " * 2 + "Hi.")
     question = words(tok, " Where is Paris, then?")
     cold = [system, question]
 
@@ -146,11 +146,13 @@ def test_requests_one_after_another_equal_stock_and_resume_from_snapshots(loaded
     check(model, tok, [(out, cached, _)], [cold])
     assert cached == 0
 
-    # The same prompt again: all but the page the last token ends, from a snapshot.
+    # The same prompt again: all but its last token, from the snapshot where the prompt's
+    # segment ended (inside a page), as from stock's cache.
     prompt = system + question
+    assert (len(prompt) - 1) % PS  # an end inside a page, which this test is about
     served = server.run([prompt])
     check(model, tok, served, [prompt])
-    assert served[0][1] == (len(prompt) - 1) // PS * PS
+    assert served[0][1] == len(prompt) - 1
 
     # Turn 2: turn 1, its answer and a new message. The finished request left its state
     # where it ended, inside its tail page: turn 2 resumes exactly there, as from stock's
@@ -161,12 +163,13 @@ def test_requests_one_after_another_equal_stock_and_resume_from_snapshots(loaded
     check(model, tok, served, [turn2])
     assert served[0][1] == len(prompt) + len(out)
 
-    # The same system prompt, another question: it resumes where the system prompt's
-    # segment ended (the page boundary at or before it).
+    # The same system prompt, another question: it resumes exactly where the system
+    # prompt's segment ended.
     other = [system, words(tok, " Count: 1 2 3 4 5 6 7 8 9 10.")]
+    assert len(system) % PS
     served = server.run([other])
     check(model, tok, served, [other])
-    assert served[0][1] == len(system) // PS * PS
+    assert served[0][1] == len(system)
     stats = server.stats()
     assert stats["snapshots"] > 0 and stats["snapshot_hits"] == 3
     assert stats["snapshot_bytes"] <= stats["snapshot_bytes_max"]

@@ -522,10 +522,18 @@ class RadixTreeMachine(RuleBasedStateMachine):
             if n < len(k) <= n + ps and k[:n] == prefix and (len(k) == n + ps or len(k) % ps)
         }
 
+    def _kept(self, ns: Hashable, prefix: tuple[int, ...]) -> bool:
+        """Whether a tail stays when an entry covers it (the snapshot machine's hold states)."""
+        return False
+
     def _drop_tails(self, ns: Hashable, prefix: tuple[int, ...], start: tuple[int, ...]) -> set:
         ps, dropped = self.PAGE_SIZE, set()
         for k, v in self._children(ns, prefix).items():
-            if len(k) % ps and start[: len(k) - len(prefix)] == k[len(prefix) :]:
+            if (
+                len(k) % ps
+                and start[: len(k) - len(prefix)] == k[len(prefix) :]
+                and not self._kept(ns, k)
+            ):
                 del self.ref[ns][k]
                 dropped.add(v)
         return dropped
@@ -671,9 +679,10 @@ class RadixTreeMachine(RuleBasedStateMachine):
             for prefix in ref:
                 aligned = (len(prefix) - 1) // ps * ps
                 assert aligned == 0 or prefix[:aligned] in ref
-            # No tail is the start of another entry beside it: it would be superseded.
+            # No tail is the start of another entry beside it (it would be superseded), but
+            # one kept for its state.
             for prefix in ref:
-                if len(prefix) % ps:
+                if len(prefix) % ps and not self._kept(ns, prefix):
                     parent = prefix[: len(prefix) // ps * ps]
                     for k in self._children(ns, parent):
                         assert k == prefix or k[: len(prefix)] != prefix
@@ -718,9 +727,13 @@ class RadixTreeMachine(RuleBasedStateMachine):
                     assert child.parent is node
                     stack.append(child)
             assert namespace.leaves == ns_leaves, f"leaf count drifted in {ns!r}"
-            # Leaves are exactly the cached prefixes that nothing extends.
+            # Leaves are exactly the cached prefixes that nothing extends, and the tails kept.
             ref = self.ref[ns]
-            maximal = [p for p in ref if not any(len(q) > len(p) and q[: len(p)] == p for q in ref)]
+            maximal = [
+                p
+                for p in ref
+                if self._kept(ns, p) or not any(len(q) > len(p) and q[: len(p)] == p for q in ref)
+            ]
             assert ns_leaves == len(maximal)
             total_leaves += ns_leaves
         assert self.tree.num_sequences == total_leaves == len(leaves(self.tree))

@@ -32,21 +32,52 @@ def namespace_of(tree: RadixTree, node: TreeNode) -> Hashable | None:
 
 
 class SnapshotMachine(RadixTreeMachine):
-    """The tree's machine, with snapshots hung on cached prefixes (whole pages or a tail)
-    under a byte budget, against an LRU of (namespace, prefix) -> bytes."""
+    """The tree's machine, with snapshots hung on cached prefixes (whole pages or a tail,
+    and tails of their own inside a cached page) under a byte budget, against an LRU of
+    (namespace, prefix) -> bytes."""
 
     PAGE_SIZE = 2
 
     def __init__(self) -> None:
         super().__init__()
         self.store = SnapshotStore(BUDGET)
-        self.tree.on_remove = self.store.forget
+        self._wire()
         self.snaps: OrderedDict[tuple[Hashable, tuple[int, ...]], int] = OrderedDict()
 
     @initialize(policy=st.sampled_from(EVICTION_POLICIES))
     def choose_policy(self, policy: str) -> None:
         super().choose_policy(policy)
+        self._wire()
+
+    def _wire(self) -> None:
         self.tree.on_remove = self.store.forget
+        self.store.on_evict = self._drop_kept_tail
+
+    def _drop_kept_tail(self, node: TreeNode) -> None:
+        # The prompt cache's rule: a tail kept only for its state leaves with it.
+        if node.parent is not None and self.tree.is_covered(node):
+            self.tree.remove_leaf(node)
+
+    def _kept(self, ns: Hashable, prefix: tuple[int, ...]) -> bool:
+        return bool(len(prefix) % self.PAGE_SIZE) and (ns, prefix) in self.snaps
+
+    def _covered(self, ns: Hashable, prefix: tuple[int, ...]) -> bool:
+        ps, n = self.PAGE_SIZE, len(prefix)
+        return bool(n % ps) and any(
+            k != prefix and k[:n] == prefix for k in self._children(ns, prefix[: n // ps * ps])
+        )
+
+    def _store(self, ns: Hashable, prefix: tuple[int, ...], node: TreeNode, nbytes: int) -> None:
+        stored = self.store.put(node, (ns, prefix), nbytes)
+        assert stored == (nbytes <= BUDGET)
+        if not stored:
+            return
+        self.snaps.pop((ns, prefix), None)
+        while sum(self.snaps.values()) + nbytes > BUDGET:
+            (old_ns, old), _ = self.snaps.popitem(last=False)
+            if self._covered(old_ns, old):
+                self.evicted.add(self.ref[old_ns].pop(old))
+        self.snaps[(ns, prefix)] = nbytes
 
     def _drop_uncached(self) -> None:
         # A snapshot goes with the node its position ends: when its last page is evicted.
@@ -64,14 +95,27 @@ class SnapshotMachine(RadixTreeMachine):
         prefix = data.draw(st.sampled_from(cached), label="prefix")
         node = self.tree.node_ending_at(ns, list(prefix))
         assert node is not None and path_tokens(node) == prefix
-        stored = self.store.put(node, (ns, prefix), nbytes)
-        assert stored == (nbytes <= BUDGET)
-        if not stored:
+        self._store(ns, prefix, node, nbytes)
+
+    @rule(data=st.data(), ns=st.sampled_from(NAMESPACES), nbytes=st.integers(0, BUDGET))
+    def put_tail(self, data: st.DataObject, ns: Hashable, nbytes: int) -> None:
+        # A state inside a page (a segment end): a tail of its own, beside any entry that
+        # holds those tokens, made where the whole pages before it are cached.
+        ps = self.PAGE_SIZE
+        tokens = self._draw_tokens(data, aligned=False)
+        if not len(tokens) % ps:
+            tokens.append(0)
+        prefix, whole = tuple(tokens), len(tokens) // ps * ps
+        page = self.next_page
+        self.next_page += 1
+        node = self.tree.add_tail(ns, tokens, page)
+        if (whole and prefix[:whole] not in self.ref[ns]) or prefix in self.ref[ns]:
+            assert node is None
             return
-        self.snaps.pop((ns, prefix), None)
-        while sum(self.snaps.values()) + nbytes > BUDGET:
-            self.snaps.popitem(last=False)
-        self.snaps[(ns, prefix)] = nbytes
+        assert node is not None and path_tokens(node) == prefix and node.pages == [page]
+        self.ref[ns][prefix] = page
+        self._store(ns, prefix, node, nbytes)
+        self._remember(tokens)
 
     @precondition(lambda self: self.snaps)
     @rule(data=st.data())
@@ -131,3 +175,25 @@ def test_a_split_keeps_a_snapshot_on_its_position():
 def test_bad_budget_names_the_value():
     with pytest.raises(ValueError, match="-1"):
         SnapshotStore(-1)
+
+
+def test_a_state_inside_a_cached_page_keeps_a_tail_of_its_own():
+    tree = RadixTree(page_size=2)
+    store = SnapshotStore(10)
+    tree.on_remove = store.forget
+    tree.insert("m", [1, 2, 3, 4, 5, 6], [0, 1, 2])
+    # A segment ended after token 3: its state gets a tail beside the page holding 3, 4.
+    tail = tree.add_tail("m", [1, 2, 3], 7)
+    assert tail is not None and tail.pages == [7] and tree.is_covered(tail)
+    assert tree.node_ending_at("m", [1, 2, 3]) is tail
+    assert tree.add_tail("m", [1, 2, 3], 8) is None  # held already
+    assert tree.add_tail("m", [9, 9, 3], 8) is None  # the pages before it are not cached
+    store.put(tail, "at 3", 6)
+    # An entry covering it does not drop it while it holds the state...
+    assert tree.insert("m", [1, 2, 3, 8], [0, 3]).dropped == []
+    assert tree.node_ending_at("m", [1, 2, 3]) is tail
+    # ...and once the budget drops the state, the prompt cache's rule takes it out.
+    store.on_evict = lambda node: tree.is_covered(node) and tree.remove_leaf(node)
+    store.put(tree.node_ending_at("m", [1, 2, 3, 4]), "at 4", 6)
+    assert tail.parent is None and tree.node_ending_at("m", [1, 2, 3]) is None
+    assert sorted(tree.all_pages()) == [0, 1, 2, 3]

@@ -61,10 +61,11 @@ class RadixPromptCache:
     def __init__(self, pool: KVPool, *, eviction: str = "lru"):
         self.pool = pool
         self.tree = RadixTree(page_size=pool.page_size, policy=eviction)
-        # A hybrid model's recurrent states, at page-aligned positions (snapshots.py).
+        # A hybrid model's recurrent states (snapshots.py).
         self.recurrent = pool.recurrent
         self.snapshots = SnapshotStore(pool.snapshot_budget if self.recurrent else 0)
         self.tree.on_remove = self.snapshots.forget
+        self.snapshots.on_evict = self._drop_kept_tail
         self.counters = CacheCounters()
         # Requests whose prompt pages are not all in the tree yet: later requests
         # with the same prefix share their pages instead of computing them again.
@@ -150,26 +151,46 @@ class RadixPromptCache:
     def _fetch_hybrid(
         self, model_key: Hashable, tokens: list[int], match: MatchResult
     ) -> tuple[list[Any], list[int]]:
-        """A hybrid model's fetch: it resumes at the deepest matched node holding a snapshot
-        of the recurrent layers, with the K/V pages up to there; nothing in between."""
-        tail = match.partial_node
-        if tail is not None and match.partial_len == len(tail.tokens) and tail in self.snapshots:
-            # The match ends with a whole tail page holding a snapshot (a finished request's
-            # end): resume after it, the page taken or copied as an attention model's is.
-            table, n, snapshot = self._resume_at_tail(model_key, tokens, match)
-            if table is not None:
-                return self._hybrid_caches(table, n, snapshot, match.length)
-        if self.tiering is not None:
+        """A hybrid model's fetch: it resumes at the deepest snapshot of the recurrent
+        layers its match runs through (on a matched node, or on a tail after one), with the
+        K/V up to there; nothing in between."""
+        node, n, tail = self._deepest_snapshot(match, tokens, tails=True)
+        if self.tiering is not None and self.tiering.restore_state(
             # A state on disk deeper than any in memory (after a restart, say) is read back.
-            self.tiering.restore_state(self.tree, self.snapshots, model_key, tokens[:-1], match)
-        node, n = match.node, match.length
-        while not node.is_root and node not in self.snapshots:
-            n -= len(node.tokens)
-            node = node.parent
+            self.tree,
+            self.snapshots,
+            model_key,
+            tokens[:-1],
+            match,
+            deeper_than=n + (len(tail.tokens) if tail is not None else 0),
+        ):
+            node, n, tail = self._deepest_snapshot(match, tokens, tails=True)
+        if tail is not None:
+            # A tail holding a snapshot (a finished request's end, a segment end of the
+            # server's): resume after it, its slots copied.
+            table, resumed, snapshot = self._resume_at_tail(model_key, tokens, match, n, tail)
+            if table is not None:
+                return self._hybrid_caches(table, resumed, snapshot, match.length)
+            node, n, _ = self._deepest_snapshot(match, tokens, tails=False)
         snapshot = self.snapshots.get(node) if not node.is_root else None
         pages = match.pages[: n // self.pool.page_size]
         table = self._held_table(model_key, tokens, node, pages, n)
         return self._hybrid_caches(table, n, snapshot, match.length)
+
+    def _deepest_snapshot(
+        self, match: MatchResult, tokens: list[int], *, tails: bool
+    ) -> tuple[TreeNode, int, TreeNode | None]:
+        """Walking up from the match's node: the first that holds a snapshot, or (with
+        ``tails``) has a tail holding one that ``tokens`` run through, which lies deeper;
+        that node, where it ends, and the tail. The root, 0 and None where none does."""
+        node, n = match.node, match.length
+        while not node.is_root:
+            tail = self._snapshot_tail(node, tokens[n : len(tokens) - 1]) if tails else None
+            if tail is not None or node in self.snapshots:
+                return node, n, tail
+            n -= len(node.tokens)
+            node = node.parent
+        return node, 0, self._snapshot_tail(node, tokens[: len(tokens) - 1]) if tails else None
 
     def _held_table(
         self, model_key: Hashable, tokens: list[int], node: TreeNode, pages: list[int], n: int
@@ -183,12 +204,36 @@ class RadixPromptCache:
         table.prompt_committed = False
         return table
 
+    def _snapshot_tail(self, node: TreeNode, rest: Sequence[int]) -> TreeNode | None:
+        """The longest of ``node``'s tails that holds a snapshot and that ``rest`` (the
+        tokens after ``node``) runs through."""
+        rest, best = tuple(rest[: self.pool.page_size]), None
+        for child in node.children.values():
+            n = len(child.tokens)
+            if (
+                self.tree.is_tail(child)
+                and rest[:n] == child.tokens
+                and (best is None or n > len(best.tokens))
+                and child in self.snapshots
+            ):
+                best = child
+        return best
+
     def _resume_at_tail(
-        self, model_key: Hashable, tokens: list[int], match: MatchResult
+        self, model_key: Hashable, tokens: list[int], match: MatchResult, n: int, tail: TreeNode
     ) -> tuple[PageTable | None, int, Snapshot | None]:
-        """A table holding the match and its tail page, the tokens it holds, and the tail's
-        snapshot; (None, 0, None) where no page is free for a copy of the tail."""
-        snapshot = self.snapshots.get(match.partial_node)  # before the tail may leave the tree
+        """A table holding the match's first ``n`` tokens (where ``tail`` hangs) and
+        ``tail``'s slots, the tokens it holds, and the tail's snapshot; (None, 0, None)
+        where no page is free for a copy of the tail."""
+        snapshot = self.snapshots.get(tail)
+        match = MatchResult(
+            match.pages[: n // self.pool.page_size],
+            tail.parent,
+            n,
+            partial_page=tail.pages[0],
+            partial_len=len(tail.tokens),
+            partial_node=tail,
+        )
         table = self._held_table(model_key, tokens, match.node, match.pages, match.length)
         try:
             n = self._continue_partial(table, match)
@@ -402,21 +447,24 @@ class RadixPromptCache:
         """Give the request the cached tokens that continue its match inside a page.
 
         A tail the request extends whole, which no one else holds, becomes the request's
-        page and is completed in place; otherwise its first slots are copied (on write).
+        page and is completed in place; otherwise its first slots are copied (on write). A
+        tail holding a snapshot stays: another branch may resume there.
         """
         node, page = match.partial_node, match.partial_page
         if (
             self.tree.is_tail(node)
             and match.partial_len == len(node.tokens)
             and self.pool.allocator.refcount(page) == 1
+            and node.snapshot is None
         ):
             self.tree.remove_leaf(node)  # the tree's reference passes to the request
             table.pages.append(page)
             return match.length + match.partial_len
-        return self._copy_partial(table, page, match.length, match.partial_len)
+        table.pages.append(self._copy_slots(page, match.partial_len))
+        return match.length + match.partial_len
 
-    def _copy_partial(self, table: PageTable, src_page: int, start: int, length: int) -> int:
-        """Copy the first ``length`` slots of a cached page into a page of the request."""
+    def _copy_slots(self, src_page: int, length: int) -> int:
+        """A new page holding a copy of the first ``length`` slots of ``src_page``."""
         alloc = self.pool.allocator
         alloc.incref([src_page])  # eviction inside alloc_pages must not recycle it
         try:
@@ -426,8 +474,7 @@ class RadixPromptCache:
         ps = self.pool.page_size
         offsets = np.arange(length)
         self.pool.copy(src_page * ps + offsets, page * ps + offsets)
-        table.pages.append(page)
-        return start + length
+        return page
 
     def _inflight_match(
         self, model_key: Hashable, tokens: list[int], cached: int
@@ -438,8 +485,14 @@ class RadixPromptCache:
     def _commit_running(
         self, model_key: Hashable, tokens: Sequence[int], table: PageTable, n: int
     ) -> None:
-        """Commit ``n`` tokens of a request that goes on; it then locks all it committed."""
-        self._commit(model_key, tokens, table, n)
+        """Commit ``n`` tokens of a request that goes on; it then locks all it committed.
+        A hybrid's commits whole pages: a tail on the page it goes on writing would be
+        covered by that very page later, and a tail holding a snapshot is not dropped then
+        (its snapshot gets a tail of its own, ``_attach_snapshots``)."""
+        states = n
+        if table.recurrent is not None:
+            n = n // self.pool.page_size * self.pool.page_size
+        self._commit(model_key, tokens, table, n, states)
         node = self.tree.match_prefix(
             model_key, list(tokens[: n // self.pool.page_size * self.pool.page_size])
         ).node
@@ -449,29 +502,38 @@ class RadixPromptCache:
         # The tree reads these tokens now: a rewrite below them must copy first.
         table.shared_tokens = max(table.shared_tokens, n)
 
-    def _commit(self, model_key: Hashable, tokens: Sequence[int], table: PageTable, n: int) -> None:
-        """File the first ``n`` tokens' pages under ``tokens``, the last one maybe a tail."""
-        if n == 0:
-            return
-        pages = table.pages[: -(-n // self.pool.page_size)]
-        cached, dropped = self.tree.insert(model_key, list(tokens[:n]), pages)
-        # The tree takes its own reference to the pages it did not have, before it gives
-        # back those of the tails it superseded (the same page, when one was completed).
-        self.pool.allocator.incref(pages[-(-cached // self.pool.page_size) :])
-        self.pool.allocator.decref(dropped)
-        if self.tiering is not None:
-            self.tiering.save(model_key, tokens[:n], pages, cached // self.pool.page_size)
+    def _commit(
+        self,
+        model_key: Hashable,
+        tokens: Sequence[int],
+        table: PageTable,
+        n: int,
+        states: int | None = None,
+    ) -> None:
+        """File the first ``n`` tokens' pages under ``tokens``, the last one maybe a tail,
+        and a hybrid's snapshots up to ``states`` (default ``n``)."""
+        if n:
+            pages = table.pages[: -(-n // self.pool.page_size)]
+            cached, dropped = self.tree.insert(model_key, list(tokens[:n]), pages)
+            # The tree takes its own reference to the pages it did not have, before it gives
+            # back those of the tails it superseded (the same page, when one was completed).
+            self.pool.allocator.incref(pages[-(-cached // self.pool.page_size) :])
+            self.pool.allocator.decref(dropped)
+            if self.tiering is not None:
+                self.tiering.save(model_key, tokens[:n], pages, cached // self.pool.page_size)
         if table.recurrent is not None:
-            self._attach_snapshots(model_key, tokens, table.recurrent, n)
+            self._attach_snapshots(model_key, tokens, table, n if states is None else states)
             tiering = self.tiering
             if tiering is not None and tiering.write_mode == "through":
                 tiering.save_states(self.tree, self.snapshots)
 
     def _attach_snapshots(
-        self, model_key: Hashable, tokens: Sequence[int], track: RecurrentTrack, n: int
+        self, model_key: Hashable, tokens: Sequence[int], table: PageTable, n: int
     ) -> None:
         """Hang the snapshots a request took at or below ``n`` (now in the tree) on the
-        nodes that end at their positions."""
+        nodes that end at their positions; one inside a page the tree has no tail for
+        gets a tail of its own, a copy of the request's slots there."""
+        track = table.recurrent
         taken = [(d, s) for d, s in track.captured.items() if d <= n]
         if track.decoded is not None and track.decoded[0] <= n:
             taken.append(track.decoded)
@@ -479,9 +541,33 @@ class RadixPromptCache:
         for d, snapshot in taken:
             track.captured.pop(d, None)
             node = self.tree.node_ending_at(model_key, list(tokens[:d]))
+            if node is None and d % self.pool.page_size:
+                node = self._snapshot_home(model_key, tokens[:d], table, snapshot)
             if node is not None and self.snapshots.put(node, snapshot, snapshot.nbytes):
                 if self.tiering is not None:
                     self.tiering.states_due = True
+
+    def _snapshot_home(
+        self, model_key: Hashable, tokens: Sequence[int], table: PageTable, snapshot: Snapshot
+    ) -> TreeNode | None:
+        """A new tail ending after ``tokens``, a copy of ``table``'s slots there, for
+        ``snapshot``; None where the tree lacks the pages before it or no page is free."""
+        if snapshot.nbytes > self.snapshots.budget_bytes:
+            return None  # a tail that no snapshot would hold
+        ps = self.pool.page_size
+        try:
+            page = self._copy_slots(table.pages[len(tokens) // ps], len(tokens) % ps)
+        except OutOfPages:
+            return None
+        node = self.tree.add_tail(model_key, list(tokens), page)
+        if node is None:
+            self.pool.allocator.decref([page])
+        return node
+
+    def _drop_kept_tail(self, node: TreeNode) -> None:
+        """A tail kept only for the snapshot the budget just dropped leaves the tree."""
+        if node.parent is not None and self.tree.is_covered(node):
+            self.pool.allocator.decref(self.tree.remove_leaf(node))
 
     def _ingestible(self, prompt_cache: list[Any]) -> bool:
         return (

@@ -327,18 +327,16 @@ class Tiering:
         namespace: Hashable,
         tokens: Sequence[int],
         match: MatchResult,
+        deeper_than: int,
     ) -> int:
         """Read the deepest recurrent state on disk at a page end of ``match``, deeper than
-        any snapshot the matched nodes hold, and hang it on its node; returns its position
-        (0: none read). A hybrid's fetch then resumes there, not at an earlier snapshot."""
+        ``deeper_than`` (the deepest snapshot in memory the match runs through), and hang
+        it on its node; returns its position (0: none read). A hybrid's fetch then resumes
+        there, not at an earlier snapshot."""
         if not self.disk.enabled or not self.pool.recurrent or not self.disk.has_states:
             return 0
         ps = self.pool.page_size
-        node, at = match.node, match.length
-        while not node.is_root and node not in snapshots:
-            at -= len(node.tokens)
-            node = node.parent
-        have, end = (0 if node.is_root else at) // ps, match.length // ps
+        have, end = deeper_than // ps, match.length // ps
         if end <= have or not self.worth_reading():
             return 0
         keys = self.hashes(namespace, tokens, end)

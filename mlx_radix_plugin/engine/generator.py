@@ -246,22 +246,19 @@ class RadixBatchGenerator(BatchGenerator):
 
     def _plan_snapshots(self, sequence, table: PageTable) -> None:
         """Where a hybrid model's request leaves snapshots of its recurrent state, made
-        into ends of its prefill segments: the page boundaries at or before the server's
-        segment ends (system prompt, messages) and the prompt's last token, every
-        ``snapshot_every`` pages, and where its K/V match ended (``_fetch_hybrid``)."""
+        into ends of its prefill segments: the server's segment ends (system prompt, the
+        prompt but its last token), exactly, as stock's cache keeps them; every
+        ``snapshot_every`` pages; and where its K/V match ended (``_fetch_hybrid``).
+        The server's ends are segment ends already, so only the others add forward calls
+        (one of a hybrid's costs a decode step at least: 217 ms for Qwen3.5-0.8B's shape
+        on 2 CPU cores)."""
         segments, track = sequence[1], table.recurrent
         total = len(sequence[4]) + sum(len(s) for s in segments)
-        ps, every = table.pool.page_size, self.snapshot_every * table.pool.page_size
+        every = self.snapshot_every * table.pool.page_size
         start = len(sequence[4])
         ends = list(itertools.accumulate((len(s) for s in segments), initial=start))[1:-1]
-        wanted = {e // ps * ps for e in ends} | set(range(every, total - 1, every) if every else ())
+        wanted = set(ends) | set(range(every, total - 1, every) if every else ())
         wanted |= track.wanted
-        if len(segments) > 2:
-            # The server's segment ends move to their page boundaries rather than add to
-            # them: each end is one more forward call, and one of a hybrid's costs a decode
-            # step at least (217 ms for Qwen3.5-0.8B's shape on 2 CPU cores). mlx-lm's last
-            # segment, the prompt's last token alone, stays.
-            segments[:-1] = [[t for s in segments[:-1] for t in s]]
         track.cut = partial(cut_segments, segments, total)
         track.wanted = set()
         for position in sorted(w for w in wanted if start < w < total):

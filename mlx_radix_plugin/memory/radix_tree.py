@@ -9,7 +9,9 @@ tokens, the end of a sequence that does not fill its last page (a short chat tur
 mostly tail). A tail is never split, locked or extended in the tree: a request that
 continues it copies its slots, or takes the page over (``remove_leaf``), and commits
 the continuation as whole pages and a new tail. A tail that another entry's first
-tokens cover is dropped as it is superseded.
+tokens cover is dropped as it is superseded, unless it holds a hybrid model's recurrent
+state (``snapshot``): then it is where a request resumes (``add_tail`` makes one on a
+page of its own beside the entry that holds those tokens). No page is in two nodes.
 
 Every namespace (one per model key: model path, adapter, draft) has its own root, so a
 model never matches another model's prefixes. The tree owns no memory itself: ``evict``
@@ -219,6 +221,23 @@ class RadixTree:
         tail = node.children.get(self._page_key(tokens, whole))
         return tail if tail is not None and self.is_tail(tail) else None
 
+    def add_tail(self, namespace: Hashable, tokens: Sequence[int], page: int) -> TreeNode | None:
+        """A new tail ending after ``tokens`` (which end inside a page) on ``page``, which
+        holds their last slots: the home of a snapshot there, beside any entry that holds
+        those tokens too. None if the tree lacks the whole pages before them or holds that
+        tail already (``node_ending_at`` finds it); the page stays the caller's then."""
+        whole, rest = divmod(len(tokens), self.page_size)
+        if not rest:
+            raise ValueError(f"a tail ends inside a page; {len(tokens)} tokens fill {whole}")
+        whole *= self.page_size
+        node = self.node_ending_at(namespace, tokens[:whole]) if whole else self._root(namespace)
+        tail = tuple(tokens[whole:])
+        if node is None or tail in node.children:
+            return None
+        new = self._add_child(self._namespace_of(node), node, tail, [page])
+        new.last_access = next(self._clock)
+        return new
+
     def cached_pages(
         self, namespace: Hashable, tokens: Sequence[int], whole: bool = True
     ) -> list[int] | None:
@@ -318,13 +337,26 @@ class RadixTree:
         return new
 
     def _drop_tails(self, ns: _Namespace, node: TreeNode, tokens: Sequence[int]) -> list[int]:
-        """Remove ``node``'s tails that ``tokens`` begin with: what is inserted covers them."""
+        """Remove ``node``'s tails that ``tokens`` begin with: what is inserted covers them
+        (but for those holding a snapshot)."""
         tokens = tuple(tokens)
         dropped: list[int] = []
         for child in list(node.children.values()):
-            if self.is_tail(child) and tokens[: len(child.tokens)] == child.tokens:
+            if (
+                self.is_tail(child)
+                and child.snapshot is None
+                and tokens[: len(child.tokens)] == child.tokens
+            ):
                 dropped += self._remove_leaf(ns, child)
         return dropped
+
+    def is_covered(self, node: TreeNode) -> bool:
+        """Whether ``node`` is a tail another entry beside it begins with."""
+        parent = node.parent
+        if parent is None or not self.is_tail(node):
+            return False
+        n = len(node.tokens)
+        return any(c is not node and c.tokens[:n] == node.tokens for c in parent.children.values())
 
     def remove_leaf(self, node: TreeNode) -> list[int]:
         """Take an unlocked leaf out of the tree; its pages' references go to the caller."""

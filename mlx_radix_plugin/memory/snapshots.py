@@ -1,14 +1,16 @@
 """Recurrent-state snapshots on radix-tree nodes, under a byte budget of their own.
 
 A hybrid model's recurrent layers (mlx-lm's ``ArraysCache``: conv and SSM states) cannot
-be rolled back, so their state is kept whole at chosen page-aligned positions: a
-snapshot hangs on the tree node that ends at its position, and a request resumes at the
-deepest matched node that holds one. A node keeps its end through splits (``_split``
-makes a new upper node), so a snapshot stays on the right position for its life.
+be rolled back, so their state is kept whole at chosen positions: a snapshot hangs on
+the tree node that ends at its position (a page boundary, or a tail inside a page), and
+a request resumes at the deepest matched node that holds one. A node keeps its end
+through splits (``_split`` makes a new upper node), so a snapshot stays on the right
+position for its life.
 
 A snapshot is far larger than a page of K/V, so it has its own budget and LRU: it must
 not crowd pages out, nor pages it. Dropping one leaves its node, whose K/V still serve
-deeper snapshots; a node the tree removes takes its snapshot with it (``forget``).
+deeper snapshots (but for a tail kept only as its home: ``on_evict``); a node the tree
+removes takes its snapshot with it (``forget``).
 
 A request that resumes from a snapshot holds the snapshot's arrays itself (MLX arrays
 are immutable and mlx-lm's recurrent layers assign new ones), so dropping a snapshot
@@ -21,6 +23,7 @@ Pure Python: the values are opaque here.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from .radix_tree import TreeNode
@@ -37,6 +40,9 @@ class SnapshotStore:
         self.hits = 0
         self.evictions = 0
         self.refused = 0  # larger than the whole budget
+        # Told of each node whose snapshot the budget dropped (the prompt cache takes a
+        # tail that was kept only for its snapshot out of the tree).
+        self.on_evict: Callable[[TreeNode], None] | None = None
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -55,6 +61,8 @@ class SnapshotStore:
             oldest = next(iter(self._lru))
             self.forget(oldest)
             self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(oldest)
         node.snapshot = value
         self._lru[node] = nbytes
         self.nbytes += nbytes
