@@ -110,6 +110,11 @@ def test_doctor_reports_backend_memory_and_model(run, model_dirs):
     # 2 attention layers x 2 KV heads x (16 + 16) dims x 4 bytes
     assert report["kv_bytes_per_token"] == str(2 * 2 * 32 * 4)
     assert 0 < int(report["snapshot_max_bytes"]) < int(report["pool_max_bytes"])
+    # falcon_h1: a CacheList of a Mamba-2 state and attention K/V on every layer.
+    result = run("doctor", "--model", str(model_dirs["falcon_h1"]))
+    report = dict(line.split(None, 1) for line in result.output.splitlines())
+    assert report["radix_path"] == "True" and report["recurrent_layers"] == "2"
+    assert report["kv_bytes_per_token"] == str(2 * 2 * 32 * 4)
 
 
 def test_register_commands_hook_adds_commands():

@@ -18,10 +18,13 @@ from test_generation import KEY, no_eos
 from tiny_models import HYBRID_ARCHS
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
+from mlx_radix_plugin.cache.paged_batch import PagedBatchKVCache
 from mlx_radix_plugin.cache.tiering import Tiering, disk_identity
 from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
 from mlx_radix_plugin.engine.generator import RadixBatchGenerator
+from mlx_radix_plugin.engine.prefill_path import PoolPromptBatch
 from mlx_radix_plugin.memory.disk_tier import DiskTier, state_key
+from mlx_radix_plugin.models.cache_list import flat
 
 PS = 4
 MAX_TOKENS = 8
@@ -68,11 +71,13 @@ class Server:
         )
         self.eos = tokenizer.eos_token_ids
 
-    def run(self, requests):
-        """``requests``: prompts, or lists of segments; all arrive together. Returns per
-        request (tokens, cached tokens, first token's log-probabilities)."""
+    def run(self, requests, later=()):
+        """``requests``: prompts, or lists of segments; all arrive together, and ``later``
+        ones once the first are decoding. Returns per request (tokens, cached tokens, first
+        token's log-probabilities)."""
         uids, info = [], {}
-        for request in requests:
+
+        def add(request):
             segments = [list(s) for s in request] if isinstance(request[0], list) else [request]
             prompt = [t for s in segments for t in s]
             cache, rest = self.rpc.fetch_nearest_cache(KEY, prompt)
@@ -93,7 +98,10 @@ class Server:
             )
             uids.append(uid)
             info[uid] = ([], cached, None)
-        done = 0
+
+        for request in requests:
+            add(request)
+        done, waiting = 0, list(later)
         while done < len(uids):
             prompt_responses, responses = self.gen.next()
             ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt]
@@ -107,6 +115,10 @@ class Server:
                 if r.finish_reason is not None:
                     done += 1
                     self.rpc.insert_cache(KEY, r.all_tokens, r.prompt_cache)
+            if responses and waiting:
+                for request in waiting:
+                    add(request)
+                waiting = []
         return [info[u] for u in uids]
 
     def stats(self):
@@ -162,6 +174,15 @@ def test_requests_one_after_another_equal_stock_and_resume_from_snapshots(loaded
     served = server.run([turn2])
     check(model, tok, served, [turn2])
     assert served[0][1] == len(prompt) + len(out)
+    out2 = served[0][0]
+
+    # Turn 3, whose history renders turn 2's answer otherwise than it was generated (as a
+    # template that drops a reasoning block does): stock resumes from its cache at the end
+    # of turn 2's prompt but its last token (a segment end); this resumes there or later.
+    turn3 = turn2 + out2[:2] + words(tok, " And Rome?")
+    served = server.run([turn3])
+    check(model, tok, served, [turn3])
+    assert len(turn2) - 1 <= served[0][1] <= len(turn2) + 2
 
     # The same system prompt, another question: it resumes exactly where the system
     # prompt's segment ended.
@@ -171,7 +192,7 @@ def test_requests_one_after_another_equal_stock_and_resume_from_snapshots(loaded
     check(model, tok, served, [other])
     assert served[0][1] == len(system)
     stats = server.stats()
-    assert stats["snapshots"] > 0 and stats["snapshot_hits"] == 3
+    assert stats["snapshots"] > 0 and stats["snapshot_hits"] == 4
     assert stats["snapshot_bytes"] <= stats["snapshot_bytes_max"]
     assert stats["pages_locked"] == 0 and stats["requests_holding_pages"] == 0
 
@@ -209,6 +230,32 @@ def test_a_concurrent_batch_computes_its_shared_prefix_once(loaded, arch):
     shared = len(os.path.commonprefix(prompts)) // PS * PS
     assert shared >= len(system) // PS * PS
     assert [c for _, c, _ in served] == [0, shared, shared]
+    assert server.stats()["pages_locked"] == 0
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_a_request_joining_a_decoding_batch_answers_as_stock(loaded, arch, monkeypatch):
+    """A request whose prefill (over the pool) ends while another decodes joins its batch,
+    both on mlx-lm's buffers (a hybrid decodes on the exact path): a falcon_h1 layer's
+    CacheList part by part."""
+    left = []
+    split = PoolPromptBatch.split
+
+    def recorded(self, indices):
+        batch = split(self, indices)
+        left.append(any(isinstance(c, PagedBatchKVCache) for c in flat(batch.prompt_cache)))
+        return batch
+
+    monkeypatch.setattr(PoolPromptBatch, "split", recorded)
+    model, tok = loaded(arch)
+    server = Server(model, tok)
+    system = words(tok, "You are a helpful assistant. Answer the question briefly. " * 2)
+    server.run([system + words(tok, " Warm up.")])
+    first, second = (system + words(tok, q) for q in (" Where is Paris?", " And Rome?"))
+    served = server.run([first], later=[second])
+    check(model, tok, served, [first, second])
+    assert served[1][1] >= len(system) // PS * PS
+    assert left and not any(left)
     assert server.stats()["pages_locked"] == 0
 
 

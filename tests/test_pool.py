@@ -37,6 +37,26 @@ def test_inspect_model_reads_heads_dims_windows_and_dtype(loaded, arch):
     assert specs == expected.get(arch, [LayerSpec(2, 16, 16)] * 2)
 
 
+def test_a_cache_lists_parts_are_entries_of_the_layout(loaded):
+    """falcon_h1: a CacheList (Mamba-2 state, attention K/V) a layer; its K/V parts go to
+    pool layers, its recurrent parts to snapshots, and a request's caches nest back."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    from mlx_radix_plugin.models.cache_list import flat, nested
+
+    model, _ = loaded("falcon_h1")
+    specs, _, layout = inspect_model(model)
+    assert specs == [LayerSpec(2, 16, 16)] * 2 and layout == (None, 0, None, 1)
+    pool = KVPool.for_model(model, page_size=4, pool_tokens=64)
+    assert pool.cache_shape == (2, 2) and pool.recurrent == [0, 2]
+    assert pool.state_sizes == {0: 2, 2: 2} and pool.snapshot_row_bytes > 0
+    parts = [ArraysCache(2), "kv 0", ArraysCache(2), "kv 1"]
+    caches = nested(parts, pool.cache_shape)
+    assert all(isinstance(c, CacheList) for c in caches) and flat(caches) == parts
+    with pytest.raises(ValueError, match="3 caches"):
+        nested(parts[:3], pool.cache_shape)
+
+
 def test_kv_dtype_of_a_quantized_model_is_the_activations(model_dirs):
     from mlx_lm import load
 

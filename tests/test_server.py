@@ -194,9 +194,11 @@ def test_model_the_pool_cannot_hold_falls_back_with_reason(start):
     assert "--kv-bits" in stats["fallback"] and stats["pages_total"] == 0
 
 
-def test_a_hybrid_model_answers_like_stock_and_resumes_from_snapshots(start):
-    """qwen3_5 (gated delta net and full attention layers): a chat's turns and another
-    question on its system prompt, through both servers."""
+@pytest.mark.parametrize("arch", ["qwen3_5", "falcon_h1"])
+def test_a_hybrid_model_answers_like_stock_and_resumes_from_snapshots(start, arch):
+    """qwen3_5 (gated delta net and full attention layers) and falcon_h1 (a CacheList of a
+    Mamba-2 state and attention K/V a layer): a chat's turns and another question on its
+    system prompt, through both servers."""
 
     def chat(server: Server) -> list[tuple[str, int]]:
         out, messages = [], [{"role": "system", "content": SYSTEM}]
@@ -211,9 +213,9 @@ def test_a_hybrid_model_answers_like_stock_and_resumes_from_snapshots(start):
         out.append((r["choices"][0]["message"]["content"], 0))
         return out
 
-    with start(mlx_lm_server(), model="qwen3_5") as stock:
+    with start(mlx_lm_server(), model=arch) as stock:
         expected = chat(stock)
-    with start(mlx_lm_server("--plugin", "radix"), model="qwen3_5") as radix:
+    with start(mlx_lm_server("--plugin", "radix"), model=arch) as radix:
         got = chat(radix)
         stats = radix.stats()
         metrics = parse_metrics(radix.get("/metrics")[1])

@@ -158,9 +158,23 @@ CONFIGS: dict[str, dict] = {
         block_auto_adjust_ff_dim=False,
         tie_word_embeddings=True,
     ),
+    # Every layer a Mamba-2 mixer and attention side by side: a CacheList (ArraysCache,
+    # KVCache) a layer.
+    "falcon_h1": dict(
+        _BASE,
+        model_type="falcon_h1",
+        num_hidden_layers=2,
+        head_dim=16,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_ssm=64,
+        mamba_d_state=32,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+    ),
 }
 # Models whose cache holds recurrent state besides keys and values.
-HYBRID_ARCHS = ("qwen3_5", "nemotron_h", "lfm2")
+HYBRID_ARCHS = ("qwen3_5", "nemotron_h", "lfm2", "falcon_h1")
 ARCHS = tuple(a for a in CONFIGS if a not in HYBRID_ARCHS)
 
 

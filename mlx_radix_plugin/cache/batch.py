@@ -39,6 +39,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 from ..memory.allocator import OutOfPages
 from ..memory.pool import KVPool
 from ..memory.slots import Slots
+from ..models.cache_list import flat
 from .page_table import PageTable
 
 log = logging.getLogger("mlx_radix")
@@ -225,7 +226,7 @@ class BatchRows:
 def rows_of(caches: list) -> BatchRows | None:
     """The rows behind a batch's caches, if they are the pool's (either kind of batch);
     a hybrid model's recurrent layers come first in some models, and have none."""
-    for c in caches:
+    for c in flat(caches):
         rows = getattr(c, "rows", None)
         if rows is not None:
             return rows if isinstance(rows, BatchRows) else None

@@ -24,6 +24,7 @@ from ..memory.disk_tier import DISK_STATS
 from ..memory.pool import KVPool, page_slots
 from ..memory.radix_tree import MatchResult, RadixTree, TreeNode
 from ..memory.snapshots import SnapshotStore
+from ..models.cache_list import flat, nested
 from .inflight import InflightPrompts
 from .page_table import PageTable
 from .pool_backed import PoolBackedCache
@@ -274,7 +275,7 @@ class RadixPromptCache:
             snapshot.restore(caches, self.recurrent)
             track.resumed = snapshot
         self._admit_table(table, n)
-        return caches, tokens[n:]
+        return nested(caches, self.pool.cache_shape), tokens[n:]
 
     @_locked
     def insert_cache(
@@ -347,8 +348,10 @@ class RadixPromptCache:
 
     def _kv_caches(self, prompt_cache: list[Any]) -> list[Any]:
         """The entries of a request's cache that hold K/V (all of them, but a hybrid's)."""
-        if self.recurrent and len(prompt_cache) == len(self.pool.layout):
-            return [c for c, layer in zip(prompt_cache, self.pool.layout) if layer is not None]
+        if self.recurrent:
+            parts = flat(prompt_cache)
+            if len(parts) == len(self.pool.layout):
+                return [c for c, layer in zip(parts, self.pool.layout) if layer is not None]
         return prompt_cache
 
     @_locked

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from ..models.cache_list import flat
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -25,8 +27,10 @@ class Snapshot:
 
     @classmethod
     def capture(cls, caches: Sequence, entries: Sequence[int], row: int) -> Snapshot:
-        """Row ``row`` of a batch's recurrent caches, as arrays of its own: a gather, so a
-        snapshot never keeps the batch's arrays alive."""
+        """Row ``row`` of a batch's recurrent caches (``entries`` of the flat list,
+        models/cache_list.py), as arrays of its own: a gather, so a snapshot never keeps
+        the batch's arrays alive."""
+        caches = flat(caches)
         index = mx.array([row], dtype=mx.int32)
         arrays, nbytes = [], 0
         for e in entries:
@@ -43,6 +47,7 @@ class Snapshot:
     @classmethod
     def of_request(cls, caches: Sequence, entries: Sequence[int]) -> Snapshot | None:
         """A lone request's recurrent caches (batch size 1), or None if they are not."""
+        caches = flat(caches)
         if not all(type(caches[e]) is ArraysCache and caches[e].batch_size == 1 for e in entries):
             return None
         return cls.capture(caches, entries, 0)
@@ -50,6 +55,7 @@ class Snapshot:
     def restore(self, caches: Sequence, entries: Sequence[int]) -> None:
         """Put this state into a request's recurrent caches. The arrays are shared, never
         written: mlx-lm's layers assign new arrays to their cache."""
+        caches = flat(caches)
         for e, arrays in zip(entries, self.arrays):
             caches[e].cache = list(arrays)
 

@@ -52,6 +52,7 @@ from ..memory.fingerprint import model_fingerprint
 from ..memory.pool import KVPool, page_slots
 from ..memory.radix_tree import MatchResult, RadixTree
 from ..memory.snapshots import SnapshotStore
+from ..models.cache_list import flat
 from .recurrent import Snapshot
 
 log = logging.getLogger("mlx_radix")
@@ -107,7 +108,7 @@ def prefill_seconds_per_token(model) -> float:
             cache = make_prompt_cache(model)
             began = time.perf_counter()
             out = model(mx.zeros((1, n), dtype=mx.int32), cache=cache)
-            mx.eval(out[:, -1], [c.state for c in cache])
+            mx.eval(out[:, -1], [c.state for c in flat(cache)])
             took = time.perf_counter() - began
         if took >= PROBE_SECONDS or n >= PROBE_MOST_TOKENS:
             return took / n

@@ -41,6 +41,7 @@ from ..cache.recurrent import Snapshot, cut_segments
 from ..memory import ranks
 from ..memory.allocator import OutOfPages
 from ..memory.budget import activation_bytes_per_token
+from ..models.cache_list import flat
 from . import attention, prefill_path
 from .decode_path import DecodePath, backend, rule_for
 from .decode_step import BulkGenerationBatch
@@ -55,7 +56,7 @@ MAX_PASSES = 4
 
 def _pool_cache(sequence) -> PoolBackedCache | None:
     """A request's first pool-backed layer (a hybrid's first layers may be recurrent)."""
-    for c in sequence[3] or ():
+    for c in flat(sequence[3] or ()):
         if isinstance(c, PoolBackedCache):
             return c
         if type(c) is not ArraysCache:
@@ -228,7 +229,7 @@ class RadixBatchGenerator(BatchGenerator):
         else:
             segments[0] = span + list(segments[0])
         del all_tokens[start:]
-        for c in cache:
+        for c in flat(cache):
             if isinstance(c, PoolBackedCache):
                 c.offset = start
         if table.recurrent is not None:

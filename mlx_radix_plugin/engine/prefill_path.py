@@ -25,6 +25,7 @@ from mlx_lm.generate import PromptProcessingBatch, _right_pad_prompts
 from ..cache.batch import rows_of
 from ..cache.paged_batch import PagedBatchKVCache
 from ..memory.pool import KVPool
+from ..models.cache_list import flat, map_parts
 
 log = logging.getLogger("mlx_radix")
 
@@ -75,7 +76,7 @@ def enable(
 
 
 def is_paged(caches: list) -> bool:
-    return any(isinstance(c, PagedBatchKVCache) for c in caches)
+    return any(isinstance(c, PagedBatchKVCache) for c in flat(caches))
 
 
 class PoolPromptBatch(PromptProcessingBatch):
@@ -114,7 +115,7 @@ class PoolPromptBatch(PromptProcessingBatch):
                 c.prepare(lengths=lengths, right_padding=padding)
         else:
             tokens = mx.array(tokens)
-        paged = next((c for c in self.prompt_cache if isinstance(c, PagedBatchKVCache)), None)
+        paged = next((c for c in flat(self.prompt_cache) if isinstance(c, PagedBatchKVCache)), None)
         bounded = paged.query_step(longest) if paged else None
         step = min(self.prefill_step_size, bounded or self.prefill_step_size)
         rows = rows_of(self.prompt_cache)
@@ -148,8 +149,8 @@ def buffered(caches: list) -> list:
     """The same rows over mlx-lm's batch buffer, as wide as it would have grown, filled from
     the pool (``PagedBatchKVCache.to_buffered``); evaluated together, before the pool is
     written again (a write evaluated with a pending read of its array copies it)."""
-    out = [c.to_buffered() if isinstance(c, PagedBatchKVCache) else c for c in caches]
-    made = [c for c, old in zip(out, caches) if c is not old]
+    out = map_parts(lambda c: c.to_buffered() if isinstance(c, PagedBatchKVCache) else c, caches)
+    made = [c for c, old in zip(flat(out), flat(caches)) if c is not old]
     if made:
         made[0].rows.pool.settle()
         mx.eval([c.state for c in made])

@@ -43,6 +43,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from ..models.cache_list import flat, nested, shape_of
 from . import in_place as _in_place
 from . import ranks
 from .allocator import PageAllocator
@@ -102,14 +103,16 @@ class _ProbeCache:
 def inspect_model(model: nn.Module) -> tuple[list[LayerSpec], mx.Dtype, tuple[int | None, ...]]:
     """Per-layer K/V geometry, the KV dtype and the layout, read off one lazy forward pass.
 
-    The layout has an entry per entry of the model's cache: the pool layer that holds its
-    K/V, or None for a recurrent layer (mlx-lm's ``ArraysCache``: conv and SSM states),
-    whose state is kept as snapshots instead (snapshots.py). The dtype is the
-    activations' (never a quantized weight's packed integer type), since it is what the
-    attention layers actually hand to their cache.
+    The layout has an entry per entry of the model's cache, a ``CacheList``'s parts each an
+    entry of their own (models/cache_list.py): the pool layer that holds its K/V, or None
+    for a recurrent layer (mlx-lm's ``ArraysCache``: conv and SSM states), whose state is
+    kept as snapshots instead (snapshots.py). The dtype is the activations' (never a
+    quantized weight's packed integer type), since it is what the attention layers
+    actually hand to their cache.
     """
     windows, layout, probes = [], [], []
-    for i, c in enumerate(make_prompt_cache(model)):
+    caches = make_prompt_cache(model)
+    for i, c in enumerate(flat(caches)):
         if type(c) is ArraysCache:
             layout.append(None)
             probes.append(c)  # the model's own: a recurrent layer reads its arrays
@@ -129,7 +132,7 @@ def inspect_model(model: nn.Module) -> tuple[list[LayerSpec], mx.Dtype, tuple[in
         probes.append(_ProbeCache())
     if not windows:
         raise UnsupportedModel("the model has no attention layer: nothing for the pool to hold")
-    model(mx.array([[0]], dtype=mx.int32), cache=probes)
+    model(mx.array([[0]], dtype=mx.int32), cache=nested(probes, shape_of(caches)))
     specs, dtypes = [], set()
     kv_probes = [p for p, where in zip(probes, layout) if where is not None]
     for i, (p, w) in enumerate(zip(kv_probes, windows)):
@@ -184,7 +187,7 @@ def recurrent_row_bytes(model: nn.Module) -> int:
     model(mx.array([[0]], dtype=mx.int32), cache=caches)
     return sum(
         a.nbytes // a.shape[0]
-        for c in caches
+        for c in flat(caches)
         if type(c) is ArraysCache
         for a in c.cache
         if a is not None
@@ -243,9 +246,12 @@ class KVPool:
         # In-place stores of a decode step not yet launched (in_place.py): the step takes them.
         self._marks: list[mx.array] = []
         self.plan: MemoryPlan | None = None  # how for_model sized it
-        # Per entry of the model's cache, the pool layer holding its K/V, or None for a
-        # recurrent layer (inspect_model); one pool layer an entry unless for_model says.
+        # Per entry of the model's cache (a CacheList's parts each one), the pool layer
+        # holding its K/V, or None for a recurrent layer (inspect_model); one pool layer an
+        # entry unless for_model says.
         self.layout: tuple[int | None, ...] = tuple(range(len(specs)))
+        # How the model nests those entries (models/cache_list.py): all plain by default.
+        self.cache_shape: tuple[int, ...] = (0,) * len(specs)
         self.state_sizes: dict[int, int] = {}  # recurrent entry -> its ArraysCache's arrays
         self.snapshot_budget = 0  # bytes for the recurrent-state snapshots (snapshots.py)
         self.snapshot_row_bytes = 0  # one snapshot's (recurrent_row_bytes)
@@ -303,9 +309,8 @@ class KVPool:
             raise ValueError(f"pool_tokens must be >= page_size ({page_size}), got {pool_tokens}")
         specs, dtype, layout = inspect_model(model)
         per_token = sum(s.bytes_per_token(dtype) for s in specs)
-        state_sizes = {
-            i: len(c.cache) for i, c in enumerate(make_prompt_cache(model)) if layout[i] is None
-        }
+        caches = make_prompt_cache(model)
+        state_sizes = {i: len(c.cache) for i, c in enumerate(flat(caches)) if layout[i] is None}
         row_bytes = recurrent_row_bytes(model) if state_sizes else 0
         reserve = buffer_reserve_bytes(per_token, max_batch_size)
         plan = plan_memory(
@@ -333,7 +338,7 @@ class KVPool:
         # The plan's reserve for K/V outside the pool, which a prefill reading the pool holds
         # no buffers in: its temporaries' bound.
         pool.prefill_working_bytes = reserve
-        pool.layout = layout
+        pool.layout, pool.cache_shape = layout, shape_of(caches)
         pool.state_sizes = state_sizes
         pool.snapshot_budget = (snapshot_bytes or 0) if state_sizes else 0
         pool.snapshot_row_bytes = row_bytes
@@ -359,6 +364,7 @@ class KVPool:
             self.specs, pages // chunk * chunk, self.page_size, self.dtype, chunk_pages=chunk
         )
         pool.plan, pool.layout, pool.state_sizes = self.plan, self.layout, self.state_sizes
+        pool.cache_shape = self.cache_shape
         pool.prefill_working_bytes = self.prefill_working_bytes
         pool.snapshot_row_bytes, pool.snapshot_budget = each, snapshots * each
         return pool

@@ -180,7 +180,7 @@ class ServerPromptCache:
             )
             if pool.recurrent:
                 log.info(
-                    "radix KV pool: hybrid model, %d of %d layers recurrent; their state "
+                    "radix KV pool: hybrid model, %d of its %d layer caches recurrent; their state "
                     "is kept in snapshots, up to %.1f MiB",
                     len(pool.recurrent),
                     len(pool.layout),
