@@ -322,6 +322,27 @@ def test_a_restart_resumes_a_chat_from_the_disk_tier(loaded, arch, tmp_path):
     server.stop()
 
 
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_with_the_disk_tier_a_segment_end_leaves_a_state_at_its_page_boundary(
+    loaded, arch, tmp_path
+):
+    """Snapshots at segment ends lie inside pages, which the disk does not keep: with the
+    disk tier on, the page boundary before each end gets one too, so a restart resumes near
+    it (no periodic snapshots here)."""
+    model, tok = loaded(arch)
+    system = words(tok, "You are a helpful assistant. Answer the question briefly. Hi.")
+    assert len(system) % PS
+    server = Server(model, tok, every=0, disk=tmp_path)
+    server.run([[system, words(tok, " Where is Paris?")]])
+    server.stop()
+    server = Server(model, tok, every=0, disk=tmp_path)
+    other = [system, words(tok, " And Rome?")]
+    served = server.run([other])
+    check(model, tok, served, [other])
+    assert served[0][1] == len(system) // PS * PS
+    server.stop()
+
+
 def test_a_corrupt_state_on_disk_is_a_miss_and_answers_stay_stock(loaded, tmp_path):
     model, tok = loaded("qwen3_5")
     server = Server(model, tok, every=2, disk=tmp_path)

@@ -248,7 +248,8 @@ class RadixBatchGenerator(BatchGenerator):
     def _plan_snapshots(self, sequence, table: PageTable) -> None:
         """Where a hybrid model's request leaves snapshots of its recurrent state, made
         into ends of its prefill segments: the server's segment ends (system prompt, the
-        prompt but its last token), exactly, as stock's cache keeps them; every
+        prompt but its last token), exactly, as stock's cache keeps them (and, for the disk
+        tier, the page boundaries before them); every
         ``snapshot_every`` pages; and where its K/V match ended (``_fetch_hybrid``).
         The server's ends are segment ends already, so only the others add forward calls
         (one of a hybrid's costs a decode step at least: 217 ms for Qwen3.5-0.8B's shape
@@ -259,6 +260,12 @@ class RadixBatchGenerator(BatchGenerator):
         start = len(sequence[4])
         ends = list(itertools.accumulate((len(s) for s in segments), initial=start))[1:-1]
         wanted = set(ends) | set(range(every, total - 1, every) if every else ())
+        if self.radix.tiering is not None:
+            # The disk tier keeps states at page ends only (a state is an entry after its
+            # page): the page boundary before each end too, so a restart resumes near it
+            # (Qwen3.5-0.8B's shape, smoke restart: cached 0 of 136 tokens without).
+            ps = table.pool.page_size
+            wanted |= {e // ps * ps for e in ends}
         wanted |= track.wanted
         track.cut = partial(cut_segments, segments, total)
         track.wanted = set()
