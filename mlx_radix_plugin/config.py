@@ -108,7 +108,7 @@ SETTINGS: tuple[Setting, ...] = (
         "radix.snapshot_every",
         64,
         "hybrid models (recurrent layers): pages between snapshots of the recurrent state "
-        "in a long prompt; 0: only at message ends and the prompt's end",
+        "in a long prompt; 0: only at the system prompt's and the prompt's end",
         minimum=0,
     ),
     Setting(
