@@ -23,8 +23,8 @@ from mlx_radix_plugin.cache.tiering import Tiering, disk_identity
 from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
 from mlx_radix_plugin.engine.generator import RadixBatchGenerator
 from mlx_radix_plugin.engine.prefill_path import PoolPromptBatch
+from mlx_radix_plugin.memory.cache_list import flat
 from mlx_radix_plugin.memory.disk_tier import DiskTier, state_key
-from mlx_radix_plugin.models.cache_list import flat
 
 PS = 4
 MAX_TOKENS = 8

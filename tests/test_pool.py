@@ -42,7 +42,7 @@ def test_a_cache_lists_parts_are_entries_of_the_layout(loaded):
     pool layers, its recurrent parts to snapshots, and a request's caches nest back."""
     from mlx_lm.models.cache import ArraysCache, CacheList
 
-    from mlx_radix_plugin.models.cache_list import flat, nested
+    from mlx_radix_plugin.memory.cache_list import flat, nested
 
     model, _ = loaded("falcon_h1")
     specs, _, layout = inspect_model(model)

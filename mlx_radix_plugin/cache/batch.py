@@ -37,9 +37,9 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from ..memory.allocator import OutOfPages
+from ..memory.cache_list import flat
 from ..memory.pool import KVPool
 from ..memory.slots import Slots
-from ..models.cache_list import flat
 from .page_table import PageTable
 
 log = logging.getLogger("mlx_radix")

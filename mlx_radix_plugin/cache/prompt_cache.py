@@ -20,11 +20,11 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..memory import ranks
 from ..memory.allocator import OutOfPages
+from ..memory.cache_list import flat, nested
 from ..memory.disk_tier import DISK_STATS
 from ..memory.pool import KVPool, page_slots
 from ..memory.radix_tree import MatchResult, RadixTree, TreeNode
 from ..memory.snapshots import SnapshotStore
-from ..models.cache_list import flat, nested
 from .inflight import InflightPrompts
 from .page_table import PageTable
 from .pool_backed import PoolBackedCache

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from ..models.cache_list import flat
+from ..memory.cache_list import flat
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Snapshot:
     @classmethod
     def capture(cls, caches: Sequence, entries: Sequence[int], row: int) -> Snapshot:
         """Row ``row`` of a batch's recurrent caches (``entries`` of the flat list,
-        models/cache_list.py), as arrays of its own: a gather, so a snapshot never keeps
+        memory/cache_list.py), as arrays of its own: a gather, so a snapshot never keeps
         the batch's arrays alive."""
         caches = flat(caches)
         index = mx.array([row], dtype=mx.int32)

@@ -47,12 +47,12 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..memory.allocator import OutOfPages
+from ..memory.cache_list import flat
 from ..memory.disk_tier import FORMAT, DiskTier, chain_seed, page_hashes, state_key
 from ..memory.fingerprint import model_fingerprint
 from ..memory.pool import KVPool, page_slots
 from ..memory.radix_tree import MatchResult, RadixTree
 from ..memory.snapshots import SnapshotStore
-from ..models.cache_list import flat
 from .recurrent import Snapshot
 
 log = logging.getLogger("mlx_radix")

@@ -41,7 +41,7 @@ from ..cache.recurrent import Snapshot, cut_segments
 from ..memory import ranks
 from ..memory.allocator import OutOfPages
 from ..memory.budget import activation_bytes_per_token
-from ..models.cache_list import flat
+from ..memory.cache_list import flat
 from . import attention, prefill_path
 from .decode_path import DecodePath, backend, rule_for
 from .decode_step import BulkGenerationBatch

@@ -24,8 +24,8 @@ from mlx_lm.generate import PromptProcessingBatch, _right_pad_prompts
 
 from ..cache.batch import rows_of
 from ..cache.paged_batch import PagedBatchKVCache
+from ..memory.cache_list import flat, map_parts
 from ..memory.pool import KVPool
-from ..models.cache_list import flat, map_parts
 
 log = logging.getLogger("mlx_radix")
 

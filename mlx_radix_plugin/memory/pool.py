@@ -43,7 +43,6 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from ..models.cache_list import flat, nested, shape_of
 from . import in_place as _in_place
 from . import ranks
 from .allocator import PageAllocator
@@ -56,6 +55,7 @@ from .budget import (
     plan_memory,
     working_bytes,
 )
+from .cache_list import flat, nested, shape_of
 from .freed_buffers import FreedBuffers
 from .slots import HeadSlots, Slots
 from .working_set import WorkingSet
@@ -104,7 +104,7 @@ def inspect_model(model: nn.Module) -> tuple[list[LayerSpec], mx.Dtype, tuple[in
     """Per-layer K/V geometry, the KV dtype and the layout, read off one lazy forward pass.
 
     The layout has an entry per entry of the model's cache, a ``CacheList``'s parts each an
-    entry of their own (models/cache_list.py): the pool layer that holds its K/V, or None
+    entry of their own (memory/cache_list.py): the pool layer that holds its K/V, or None
     for a recurrent layer (mlx-lm's ``ArraysCache``: conv and SSM states), whose state is
     kept as snapshots instead (snapshots.py). The dtype is the activations' (never a
     quantized weight's packed integer type), since it is what the attention layers
@@ -250,7 +250,7 @@ class KVPool:
         # holding its K/V, or None for a recurrent layer (inspect_model); one pool layer an
         # entry unless for_model says.
         self.layout: tuple[int | None, ...] = tuple(range(len(specs)))
-        # How the model nests those entries (models/cache_list.py): all plain by default.
+        # How the model nests those entries (memory/cache_list.py): all plain by default.
         self.cache_shape: tuple[int, ...] = (0,) * len(specs)
         self.state_sizes: dict[int, int] = {}  # recurrent entry -> its ArraysCache's arrays
         self.snapshot_budget = 0  # bytes for the recurrent-state snapshots (snapshots.py)
