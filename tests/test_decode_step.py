@@ -125,3 +125,35 @@ def test_rows_of_one_sampler_sample_in_one_call(loaded):
     assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in expected]
     # Once every row decodes together: one call a sampler a step, on its two rows.
     assert calls[-2:] == [("greedy", 2), ("other", 2)]
+
+
+def calls_of(gen, prompts, max_tokens):
+    """Per uid: ``(call, token, finish_reason, all_tokens)`` of each response, in order."""
+    uids = gen.insert(prompts, max_tokens=max_tokens)
+    out, call = {u: [] for u in uids}, 0
+    while sum(bool(v) and v[-1][2] is not None for v in out.values()) < len(uids):
+        call += 1
+        for r in gen.next()[1]:
+            out[r.uid].append((call, r.token, r.finish_reason, r.all_tokens, r.logprobs))
+    gen.close()
+    return [out[u] for u in uids]
+
+
+def test_first_tokens_go_out_in_the_call_that_computed_them(loaded):
+    """On MLX's CPU backend a joining row's first token is handed over in the call that ran
+    its first step, a step sooner than stock; tokens, log-probabilities and the finished
+    rows' tokens stay stock's, and a row that its first token ends finishes as in stock."""
+    model, tok = loaded("llama")
+    prompts = [tok.encode(t) for t in ("Once upon a time", "The quick brown fox", "Hi there")]
+    max_tokens = [5, 1, 5]
+    expected = calls_of(BatchGenerator(model, completion_batch_size=4), prompts, max_tokens)
+    pool = KVPool.for_model(model, page_size=4, pool_tokens=1024)
+    engine = RadixBatchGenerator(model, RadixPromptCache(pool), completion_batch_size=4)
+    assert engine.first_tokens_at_once
+    got = calls_of(engine, prompts, max_tokens)
+    for row, ref, n in zip(got, expected, max_tokens):
+        assert [r[1:4] for r in row] == [r[1:4] for r in ref]
+        assert all(mx.array_equal(a[4], b[4]).item() for a, b in zip(row, ref))
+        sooner = 1 if n > 1 else 0  # a row its first token ends: stock's call
+        assert row[0][0] == ref[0][0] - sooner
+        assert [r[0] for r in row[1:]] == [r[0] for r in ref[1:]]

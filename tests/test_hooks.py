@@ -323,3 +323,39 @@ def test_a_route_served_by_two_plugins_is_one_route_and_a_clash_is_refused():
     assert list(table) == [("POST", "/v1/messages")]
     with pytest.raises(ValueError, match="already registered"):
         table.register("POST", "/v1/messages", lambda request: RouteResponse(200, {}))
+
+
+def test_the_idle_hook_runs_before_the_generation_thread_waits(monkeypatch):
+    """What a plugin leaves for idle time (a finished request's commit) runs before the
+    wait for the next request, not after an empty one; a queued request is served first."""
+    import queue
+
+    from mlx_lm_hooks import server as hooks_server
+
+    events = []
+
+    class Stock:
+        _is_distributed = False
+
+        def _next_request(self, timeout=None):
+            events.append(("look", timeout))
+            try:
+                return self.requests.get(timeout=timeout) if timeout else self.requests.get_nowait()
+            except queue.Empty:
+                return None
+
+    class Hook:
+        def mlx_lm_generation_idle(self):
+            events.append(("idle",))
+            generator.requests.put("next turn")  # a client answered meanwhile
+
+    monkeypatch.setattr(hooks_server, "_hook", Hook)
+    cls = hooks_server._response_generator_class(Stock, None)
+    generator = cls.__new__(cls)
+    generator.requests = queue.Queue()
+    assert generator._next_request(timeout=0.1) == "next turn"
+    assert events == [("look", None), ("idle",), ("look", 0.1)]
+    events.clear()
+    generator.requests.put("queued")
+    assert generator._next_request(timeout=0.1) == "queued"
+    assert events == [("look", None)]

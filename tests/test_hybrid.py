@@ -50,7 +50,16 @@ class Server:
     """What mlx_lm.server does with the plugin's engine: fetch, cut the prompt's segments
     by what was cached, insert; commit at segment ends and at the finish."""
 
-    def __init__(self, model, tokenizer, snapshot_mib=None, every=64, pool_tokens=4096, disk=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        snapshot_mib=None,
+        every=64,
+        pool_tokens=4096,
+        disk=None,
+        defer=False,
+    ):
         pool = KVPool.for_model(
             model,
             page_size=PS,
@@ -58,6 +67,7 @@ class Server:
             snapshot_bytes=None if snapshot_mib is None else int(snapshot_mib * 2**20),
         )
         self.rpc = RadixPromptCache(pool)
+        self.rpc.defer_finished = defer  # as the server's
         if disk is not None:  # the disk tier at ``disk``, written through
             tier = DiskTier(disk, disk_identity(model, pool), 1 << 30)
             self.rpc.tiering = Tiering(pool, tier, KEY)
@@ -195,6 +205,28 @@ def test_requests_one_after_another_equal_stock_and_resume_from_snapshots(loaded
     assert stats["snapshots"] > 0 and stats["snapshot_hits"] == 4
     assert stats["snapshot_bytes"] <= stats["snapshot_bytes_max"]
     assert stats["pages_locked"] == 0 and stats["requests_holding_pages"] == 0
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_chats_finishing_together_are_committed_after_both_are_answered(loaded, arch):
+    """The server's finished commits wait for the next fetch or step: two chats that finish
+    in one step hold their pages until then, and their next turns resume exactly where
+    each ended, with stock's answers."""
+    model, tok = loaded(arch)
+    server = Server(model, tok, defer=True)
+    system = words(tok, "You are a helpful assistant. Answer the question briefly. " * 2)
+    # Questions of one length (see the module's note on nemotron_h).
+    firsts = [system + words(tok, q) for q in (" Where is city 1?", " Where is city 2?")]
+    served = server.run(firsts)
+    held = server.stats()
+    assert held["requests_holding_pages"] == 2  # answered, not committed yet
+    turns = [p + out + words(tok, " And city 3?") for p, (out, _, _) in zip(firsts, served)]
+    served = server.run(turns)
+    check(model, tok, served, turns)
+    assert [c for _, c, _ in served] == [len(p) + MAX_TOKENS for p in firsts]
+    server.rpc.commit_finished()
+    stats = server.stats()
+    assert stats["requests_holding_pages"] == 0 and stats["pages_locked"] == 0
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)

@@ -20,15 +20,22 @@ a sampler and processors of its own). Here:
 
 The first step of rows that join is mlx-lm's own (it runs as their batch is made); their
 first tokens' log-probabilities are picked together, once, when that step is read.
+
+mlx-lm hands a step's tokens over in the next call, after launching the step behind it, so
+a launch overlaps the wait for its tokens. Where a launch runs the graph before it returns
+(MLX's CPU backend), every token instead waits for the next step's forward pass as well, the
+first one included: ``first_tokens`` hands joining rows' first tokens over in the call that
+computed them (the engine calls it there: generator.py, ``FIRST_TOKENS_AT_ONCE``).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch
+from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm_hooks.sampling import LogitBias
 
 from .step_clock import StepClock
@@ -80,7 +87,56 @@ class BulkGenerationBatch(GenerationBatch):
         # Per row: the sampled token's log-probability, as (array of the step, row), or None
         # for rows whose step was mlx-lm's.
         self._next_picked: list[tuple[mx.array, int] | None] = [None] * len(uids)
+        # Per row: its stop matcher before its first token, where ``first_tokens`` handed
+        # that token over already; else None.
+        self._early: list[StopSequences.Matcher | None] = [None] * len(uids)
         super().__init__(model, uids, *args, **kwargs)
+
+    def next(self):
+        """mlx-lm's ``next``, less the first tokens ``first_tokens`` handed over: those
+        rows are counted and matched again from where they stood, with the same result."""
+        early = {self.uids[i] for i, m in enumerate(self._early) if m is not None}
+        if not early:
+            return super().next()
+        for i, matcher in enumerate(self._early):
+            if matcher is not None:
+                self._matchers[i] = matcher
+                self._num_tokens[i] -= 1
+        self._early = [None] * len(self.uids)
+        return [r for r in super().next() if r.uid not in early]
+
+    def first_tokens(self) -> list:
+        """Responses for the first tokens of the rows that joined since the last ``next``,
+        which their own first step has computed; a row whose first token ends it waits
+        for ``next`` as in stock, whose finished rows hold that token's K/V."""
+        fresh = [
+            i for i, (n, m) in enumerate(zip(self._num_tokens, self._early)) if not n and m is None
+        ]
+        if not fresh:
+            return []
+        rows = [self._next_logprobs[i] for i in fresh]
+        mx.eval(self._next_tokens, rows)
+        tokens = self._next_tokens.tolist()
+        picked = [self._next_picked[i] for i in fresh]
+        values = _host_values(picked, rows, [tokens[i] for i in fresh])
+        responses = []
+        for i, row, value in zip(fresh, rows, values):
+            token, probe = tokens[i], copy.copy(self._matchers[i])
+            if self.max_tokens[i] <= 1 or probe.advance(token):
+                continue
+            self._early[i], self._matchers[i] = self._matchers[i], probe
+            self._num_tokens[i] = 1
+            responses.append(
+                self.Response(
+                    uid=self.uids[i],
+                    token=token,
+                    logprobs=TokenLogprobs(row, token, value),
+                    finish_reason=None,
+                    prompt_cache=None,
+                    all_tokens=None,
+                )
+            )
+        return responses
 
     def _step(self):
         start = time.perf_counter()
@@ -124,10 +180,12 @@ class BulkGenerationBatch(GenerationBatch):
         joining = len(batch.uids)
         super().extend(batch)
         self._next_picked += [None] * joining
+        self._early += [None] * joining
 
     def filter(self, keep):
         super().filter(keep)
         self._next_picked = [self._next_picked[i] for i in keep]
+        self._early = [self._early[i] for i in keep]
 
     def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list]:
         """Every row's logits processors applied: logit biases in one scatter, the rest per

@@ -80,6 +80,16 @@ def _table(sequence) -> PageTable | None:
 ADMITS_TOGETHER = {"cuda": True, "gpu": False, "cpu": False}
 
 
+# Whether a joining row's first token is handed over in the call that computed it
+# (decode_step.py, ``first_tokens``), not after the next step's forward pass. On MLX's CPU
+# backend a launch runs its graph before returning, so the next step's pass came first:
+# Qwen3.5-0.8B's shape, 2 rows joining (2 CPU cores), 1.03 s of prefill, 0.26 s of their
+# first step, then 0.26 s of the next before the first token went out. On a GPU the launch
+# returns at once and the token is read right after it: nothing to gain there, and an
+# early read would wait for the joining rows' step where the next launch now overlaps it.
+FIRST_TOKENS_AT_ONCE = {"cuda": False, "gpu": False, "cpu": True}
+
+
 class RadixBatchGenerator(BatchGenerator):
     def __init__(
         self,
@@ -124,6 +134,7 @@ class RadixBatchGenerator(BatchGenerator):
         rule = rule_for(where, radix.pool.writes_in_place)
         self.decode_path = DecodePath(shared_prefix, rule, calls or 0, where == "cuda")
         self.admit_together = ADMITS_TOGETHER[where]
+        self.first_tokens_at_once = FIRST_TOKENS_AT_ONCE[where]
         # Prompt batches read cached K/V from the pool, and hand finished rows to the
         # decode path's caches (engine/prefill_path.py).
         heads = getattr(getattr(model, "args", None), "num_attention_heads", None)
@@ -415,8 +426,11 @@ class RadixBatchGenerator(BatchGenerator):
         return max(configured, rows)
 
     def _next(self):
+        # What finished in the last call gives its pages back before this one admits
+        # (the server's commits may wait for it: RadixPromptCache.insert_cache).
+        self.radix.commit_finished()
         # Requests that finish in this call give their pages back when the server
-        # commits them, right after it: until then they still count as running.
+        # commits them, after it: until then they still count as running.
         self._ran = bool(len(self._prompt_batch) or len(self._generation_batch))
         decoding = bool(len(self._generation_batch))
         # A decode step on the exact path launches its pool writes with its own graph: one
@@ -443,6 +457,11 @@ class RadixBatchGenerator(BatchGenerator):
                 responses = super()._next()
         finally:
             self.prefill_batch_size = configured
+        if self.first_tokens_at_once:
+            prompt_responses, generation_responses = responses
+            first = self._generation_batch.first_tokens()
+            if first:
+                responses = (prompt_responses, generation_responses + first)
         # The batch's path for its next step, chosen as soon as rows have joined or left:
         # a batch that goes shared drops its buffers now, not one step later.
         gen = self._generation_batch

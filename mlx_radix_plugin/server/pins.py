@@ -101,6 +101,7 @@ def prefill(radix: Any, model: Any, key: Hashable, tokens: Sequence[int], step: 
         states = [c.cache for c in caches if type(c) is ArraysCache]
         mx.eval(radix.pool.arrays, states, [] if sent is None else sent)
     radix.insert_cache(key, list(tokens), caches)
+    radix.commit_finished()  # the server's commits may wait; a pin reads the tree next
     return cached
 
 

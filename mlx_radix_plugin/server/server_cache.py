@@ -158,6 +158,7 @@ class ServerPromptCache:
         if reason is None:
             pool = pool.agreed()
             self.radix = RadixPromptCache(pool, eviction=cfg["radix.eviction"])
+            self.radix.defer_finished = True
             if cfg["radix.disk.enabled"]:
                 self.radix.tiering = self._disk_tier(pool, model, model_key, cli_args)
             plan = pool.plan
@@ -313,6 +314,7 @@ class ServerPromptCache:
         if tiering is None:
             return
         deadline = time.monotonic() + seconds
+        radix.commit_finished()
         with radix.pool.lock:
             radix.pool.run_deferred()
             written = tiering.save_tree(radix.tree, deadline, radix.snapshots)
@@ -363,6 +365,7 @@ class ServerPromptCache:
         ranks.idle()  # under mlx.launch, the garbage of the steps that ran, on every rank
         radix = self.radix
         if radix is not None:
+            radix.commit_finished()
             radix.pool.trim()
             if radix.tiering is not None:
                 radix.tiering.pump(everything=True)
