@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.server import (
     GenerationArguments,
@@ -127,16 +127,37 @@ def test_rows_of_one_sampler_sample_in_one_call(loaded):
     assert calls[-2:] == [("greedy", 2), ("other", 2)]
 
 
-def calls_of(gen, prompts, max_tokens):
-    """Per uid: ``(call, token, finish_reason, all_tokens)`` of each response, in order."""
-    uids = gen.insert(prompts, max_tokens=max_tokens)
+def calls_of(gen, prompts, max_tokens, stops=None, join_at=None):
+    """Per prompt: ``(call, token, finish_reason, all_tokens, logprobs)`` of each response,
+    in order. ``stops``: each prompt's stop sequences; the last prompt joins after call
+    ``join_at`` (with the others, if None)."""
+    stops = [StopSequences(s) for s in stops] if stops else [StopSequences()] * len(prompts)
+    late = 1 if join_at is not None else 0
+    n = len(prompts) - late
+    uids = gen.insert(prompts[:n], max_tokens=max_tokens[:n], stop_sequences=stops[:n])
     out, call = {u: [] for u in uids}, 0
-    while sum(bool(v) and v[-1][2] is not None for v in out.values()) < len(uids):
+    while len(uids) < len(prompts) or sum(
+        bool(v) and v[-1][2] is not None for v in out.values()
+    ) < len(uids):
+        if call == join_at:
+            (uid,) = gen.insert(prompts[n:], max_tokens=max_tokens[n:], stop_sequences=stops[n:])
+            uids.append(uid)
+            out[uid] = []
         call += 1
+        assert call < 50, "a row never finished"
         for r in gen.next()[1]:
             out[r.uid].append((call, r.token, r.finish_reason, r.all_tokens, r.logprobs))
     gen.close()
     return [out[u] for u in uids]
+
+
+def same_but_first_tokens_sooner(got, expected, max_tokens, ended_by_first=()):
+    for i, (row, ref, n) in enumerate(zip(got, expected, max_tokens)):
+        assert [r[1:4] for r in row] == [r[1:4] for r in ref]
+        assert all(mx.array_equal(a[4], b[4]).item() for a, b in zip(row, ref))
+        sooner = 0 if n <= 1 or i in ended_by_first else 1  # those keep stock's call
+        assert row[0][0] == ref[0][0] - sooner
+        assert [r[0] for r in row[1:]] == [r[0] for r in ref[1:]]
 
 
 def test_first_tokens_go_out_in_the_call_that_computed_them(loaded):
@@ -149,11 +170,36 @@ def test_first_tokens_go_out_in_the_call_that_computed_them(loaded):
     expected = calls_of(BatchGenerator(model, completion_batch_size=4), prompts, max_tokens)
     pool = KVPool.for_model(model, page_size=4, pool_tokens=1024)
     engine = RadixBatchGenerator(model, RadixPromptCache(pool), completion_batch_size=4)
-    assert engine.first_tokens_at_once
+    assert engine.first_tokens_at_once == (mx.default_device() == mx.cpu)
+    engine.first_tokens_at_once = True  # the CPU's setting; the same code on every backend
     got = calls_of(engine, prompts, max_tokens)
-    for row, ref, n in zip(got, expected, max_tokens):
-        assert [r[1:4] for r in row] == [r[1:4] for r in ref]
-        assert all(mx.array_equal(a[4], b[4]).item() for a, b in zip(row, ref))
-        sooner = 1 if n > 1 else 0  # a row its first token ends: stock's call
-        assert row[0][0] == ref[0][0] - sooner
-        assert [r[0] for r in row[1:]] == [r[0] for r in ref[1:]]
+    same_but_first_tokens_sooner(got, expected, max_tokens)
+
+
+def test_stop_sequences_across_a_first_token_handed_over_early_and_rows_joining_later(loaded):
+    """Stop sequences that start with a row's first token end it where stock's do: the
+    matcher handed over early stands where stock's would; a row that joins a decoding
+    batch gets its first token a call sooner too."""
+    model, tok = loaded("llama")
+    prompts = [tok.encode(t) for t in ("Once upon a time", "The quick brown fox", "Hi there")]
+    max_tokens = [6, 6, 6]
+    free = calls_of(BatchGenerator(model, completion_batch_size=4), prompts, max_tokens)
+    first, second = ([row[i][1] for row in free] for i in (0, 1))
+    assert first[2] != second[2]
+    stops = [
+        [[first[0], second[0]]],  # spans the first token and the second: stop at the second
+        [[first[1]]],  # the first token ends the row: stock's call
+        # A partial match, then another; and the first token twice, which a matcher
+        # that took it twice would see.
+        [[first[2], second[2] + 1], [second[2]], [first[2], first[2]]],
+    ]
+    for join_at in (None, 2):
+        expected = calls_of(
+            BatchGenerator(model, completion_batch_size=4), prompts, max_tokens, stops, join_at
+        )
+        assert [row[-1][2] for row in expected] == ["stop"] * 3
+        pool = KVPool.for_model(model, page_size=4, pool_tokens=1024)
+        engine = RadixBatchGenerator(model, RadixPromptCache(pool), completion_batch_size=4)
+        engine.first_tokens_at_once = True
+        got = calls_of(engine, prompts, max_tokens, stops, join_at)
+        same_but_first_tokens_sooner(got, expected, max_tokens, ended_by_first=(1,))

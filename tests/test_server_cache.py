@@ -238,3 +238,25 @@ def test_an_idle_server_gives_back_the_chunks_that_stayed_empty(loaded, monkeypa
     cache.idle()
     stats = cache.stats()
     assert stats["pool_chunks"] == 1 and stats["pool_bytes_total"] == radix.pool.bytes_per_page
+
+
+def test_idle_right_after_a_batch_drains_commits_and_leaves_the_rest_for_the_next_call(
+    loaded, monkeypatch
+):
+    """The idle hook runs as soon as the batch drains: it commits the requests that
+    finished last, and leaves trimming, disk writes and pins for its next call, so a
+    chat's next turn arriving at once does not wait for them."""
+    model, _ = loaded("llama")
+    cache = make("0.25")
+    cache.bind(model, ("m", None, None))
+    radix = cache.radix
+    trims = []
+    monkeypatch.setattr(radix.pool, "trim", lambda: trims.append(len(trims)))
+    tokens = list(range(1, 40))
+    caches, _ = cache.fetch_nearest_cache("m", tokens)
+    cache.insert_cache("m", tokens, caches)  # finished: its commit waits
+    assert cache.stats()["requests_holding_pages"] == 1
+    cache.idle()
+    assert cache.stats()["requests_holding_pages"] == 0 and trims == []
+    cache.idle()
+    assert trims == [0]

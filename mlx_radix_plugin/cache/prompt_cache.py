@@ -317,13 +317,16 @@ class RadixPromptCache:
         self._insert(model_key, tokens, prompt_cache)
 
     @_locked
-    def commit_finished(self) -> None:
-        """Commit the finished requests whose commits ``insert_cache`` deferred."""
-        self._commit_finished()
+    def commit_finished(self) -> int:
+        """Commit the finished requests whose commits ``insert_cache`` deferred; returns
+        how many there were."""
+        return self._commit_finished()
 
-    def _commit_finished(self) -> None:
+    def _commit_finished(self) -> int:
+        committed = len(self._finished)
         while self._finished:
             self._insert(*self._finished.pop(0))
+        return committed
 
     def _insert(self, model_key: Hashable, tokens: Sequence[int], prompt_cache: list[Any]) -> None:
         kv = self._kv_caches(prompt_cache)

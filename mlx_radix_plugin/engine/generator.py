@@ -82,9 +82,11 @@ ADMITS_TOGETHER = {"cuda": True, "gpu": False, "cpu": False}
 
 # Whether a joining row's first token is handed over in the call that computed it
 # (decode_step.py, ``first_tokens``), not after the next step's forward pass. On MLX's CPU
-# backend a launch runs its graph before returning, so the next step's pass came first:
-# Qwen3.5-0.8B's shape, 2 rows joining (2 CPU cores), 1.03 s of prefill, 0.26 s of their
-# first step, then 0.26 s of the next before the first token went out. On a GPU the launch
+# backend a decode step's launch (``mx.async_eval``) ran its graph before returning (the
+# step clock, Qwen3.5-0.8B's shape, 2 rows, 2 cores: launch 280 ms a step, wait 0-6 ms),
+# so the next step's pass came first: 1.03 s of prefill, 0.26 s of their first step, then
+# 0.26 s of the next before the first token went out; in process, first tokens 0.2-0.4 s
+# sooner with it. On a GPU the launch
 # returns at once and the token is read right after it: nothing to gain there, and an
 # early read would wait for the joining rows' step where the next launch now overlaps it.
 FIRST_TOKENS_AT_ONCE = {"cuda": False, "gpu": False, "cpu": True}
@@ -426,9 +428,6 @@ class RadixBatchGenerator(BatchGenerator):
         return max(configured, rows)
 
     def _next(self):
-        # What finished in the last call gives its pages back before this one admits
-        # (the server's commits may wait for it: RadixPromptCache.insert_cache).
-        self.radix.commit_finished()
         # Requests that finish in this call give their pages back when the server
         # commits them, after it: until then they still count as running.
         self._ran = bool(len(self._prompt_batch) or len(self._generation_batch))
@@ -452,6 +451,10 @@ class RadixBatchGenerator(BatchGenerator):
         working = pool.working_set
         if working is not None:
             working.begin_call()
+        # What finished in the last call gives its pages back before this one admits
+        # (the server's commits may wait for it: RadixPromptCache.insert_cache), counted
+        # in this call's time and working memory.
+        self.radix.commit_finished()
         try:
             with self.clock.part("batch"):
                 responses = super()._next()

@@ -21,6 +21,7 @@ METHODS = (
     ("mlx_lm.generate", "BatchGenerator", "_find_uids"),  # which pages a removal gives back
     ("mlx_lm.models.cache", "RotatingKVCache", "_temporal_order"),  # a window's tokens in order
     ("mlx_lm.generate", "GenerationBatch", "_step"),  # a decode step in bulk (decode_step.py)
+    ("mlx_lm.generate", "GenerationBatch", "next"),  # less the first tokens handed over early
 )
 # Instance attributes, set in the constructor: checked in its source (no instance exists yet).
 ATTRIBUTES = (
@@ -29,6 +30,10 @@ ATTRIBUTES = (
     ("mlx_lm.generate", "BatchGenerator", "_currently_processing"),  # prefilling rows
     ("mlx_lm.generate", "GenerationBatch", "_next_logprobs"),  # the step's rows, read next
     ("mlx_lm.generate", "GenerationBatch", "_token_context"),  # logits processors' contexts
+    # A row's count and stop matcher, set back where a first token went out early.
+    ("mlx_lm.generate", "GenerationBatch", "_num_tokens"),
+    ("mlx_lm.generate", "GenerationBatch", "_matchers"),
+    ("mlx_lm.generate", "GenerationBatch", "_next_tokens"),  # the step's tokens, read next
 )
 
 

@@ -360,12 +360,16 @@ class ServerPromptCache:
             mx.set_wired_limit(min(most, model_nbytes(model) + pool_bytes + limit))
 
     def idle(self) -> None:
-        """Nothing is being generated: give back the pool's chunks that stayed empty (and,
+        """Nothing is being generated: commit the requests that finished last, give back
+        the pool's chunks that stayed empty, write to the disk tier, run pin requests (and,
         under mlx.launch, gather every rank's ``RANK_STATS``)."""
         ranks.idle()  # under mlx.launch, the garbage of the steps that ran, on every rank
         radix = self.radix
-        if radix is not None:
-            radix.commit_finished()
+        # Commits left by the last step mean the batch has just drained, and a chat's next
+        # turn may be on its way: the rest waits for the next call (0.1 s on, if no request
+        # came), as it did before the hook ran ahead of the wait.
+        drained = radix is not None and radix.commit_finished() > 0
+        if radix is not None and not drained:
             radix.pool.trim()
             if radix.tiering is not None:
                 radix.tiering.pump(everything=True)
@@ -373,7 +377,8 @@ class ServerPromptCache:
                     radix.tiering.write_later(radix.tree)
                     if radix.tiering.save_states(radix.tree, radix.snapshots):
                         radix.tiering.pump(everything=True)
-        self.pins.run_jobs()
+        if not drained:
+            self.pins.run_jobs()
         if ranks.size() > 1:
             # Every rank is idle at once (mlx_lm.server shares rank 0's empty queue), and has
             # a pool or not alike (bind).
