@@ -132,8 +132,7 @@ def calls_of(gen, prompts, max_tokens, stops=None, join_at=None):
     in order. ``stops``: each prompt's stop sequences; the last prompt joins after call
     ``join_at`` (with the others, if None)."""
     stops = [StopSequences(s) for s in stops] if stops else [StopSequences()] * len(prompts)
-    late = 1 if join_at is not None else 0
-    n = len(prompts) - late
+    n = len(prompts) - (join_at is not None)
     uids = gen.insert(prompts[:n], max_tokens=max_tokens[:n], stop_sequences=stops[:n])
     out, call = {u: [] for u in uids}, 0
     while len(uids) < len(prompts) or sum(

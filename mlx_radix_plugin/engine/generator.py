@@ -86,9 +86,9 @@ ADMITS_TOGETHER = {"cuda": True, "gpu": False, "cpu": False}
 # step clock, Qwen3.5-0.8B's shape, 2 rows, 2 cores: launch 280 ms a step, wait 0-6 ms),
 # so the next step's pass came first: 1.03 s of prefill, 0.26 s of their first step, then
 # 0.26 s of the next before the first token went out; in process, first tokens 0.2-0.4 s
-# sooner with it. On a GPU the launch
-# returns at once and the token is read right after it: nothing to gain there, and an
-# early read would wait for the joining rows' step where the next launch now overlaps it.
+# sooner with it. On a GPU the launch returns at once and the token is read right after
+# it: nothing to gain there, and an early read would wait for the joining rows' step where
+# the next launch now overlaps it.
 FIRST_TOKENS_AT_ONCE = {"cuda": False, "gpu": False, "cpu": True}
 
 

@@ -368,8 +368,18 @@ class ServerPromptCache:
         # Commits left by the last step mean the batch has just drained, and a chat's next
         # turn may be on its way: the rest waits for the next call (0.1 s on, if no request
         # came), as it did before the hook ran ahead of the wait.
-        drained = radix is not None and radix.commit_finished() > 0
-        if radix is not None and not drained:
+        if not (radix is not None and radix.commit_finished()):
+            self._settle(radix)
+        if ranks.size() > 1:
+            # Every rank is idle at once (mlx_lm.server shares rank 0's empty queue), and has
+            # a pool or not alike (bind).
+            stats = radix.stats(RANK_STATS) if radix is not None else {}
+            gathered = ranks.gather([stats.get(k) or 0 for k in RANK_STATS])
+            self.rank_stats = [dict(zip(RANK_STATS, values)) for values in gathered]
+
+    def _settle(self, radix: RadixPromptCache | None) -> None:
+        """The idle work that can wait: empty chunks back, the disk tier's writes, pins."""
+        if radix is not None:
             radix.pool.trim()
             if radix.tiering is not None:
                 radix.tiering.pump(everything=True)
@@ -377,14 +387,7 @@ class ServerPromptCache:
                     radix.tiering.write_later(radix.tree)
                     if radix.tiering.save_states(radix.tree, radix.snapshots):
                         radix.tiering.pump(everything=True)
-        if not drained:
-            self.pins.run_jobs()
-        if ranks.size() > 1:
-            # Every rank is idle at once (mlx_lm.server shares rank 0's empty queue), and has
-            # a pool or not alike (bind).
-            stats = radix.stats(RANK_STATS) if radix is not None else {}
-            gathered = ranks.gather([stats.get(k) or 0 for k in RANK_STATS])
-            self.rank_stats = [dict(zip(RANK_STATS, values)) for values in gathered]
+        self.pins.run_jobs()
 
     @property
     def active(self) -> Any:
