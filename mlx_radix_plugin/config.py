@@ -215,6 +215,13 @@ SETTINGS: tuple[Setting, ...] = (
         "off: one process, as stock)",
         choices=("auto", "on", "off"),
     ),
+    Setting(
+        "agents.billing_header",
+        False,
+        "render Claude Code's billing line (x-anthropic-billing-header, the system prompt's "
+        "first block) into the prompt; false leaves it out, so a value that changes (client "
+        "version, entry point) costs no cached prefix",
+    ),
     Setting("metrics.enabled", True, "serve Prometheus metrics at /metrics"),
     Setting("log_level", "INFO", "log level of mlx-radix", choices=LOG_LEVELS),
 )
@@ -225,6 +232,12 @@ BY_ENV = {s.env: s for s in SETTINGS}
 
 class ConfigError(ValueError):
     """A bad key or value; the message names it and says what is accepted."""
+
+
+def exit_with_usage_error(message: str):
+    """Stop before anything starts: the message on stderr, exit status 2 (as argparse)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _unknown(key: str, where: str, known) -> ConfigError:

@@ -267,3 +267,87 @@ def test_an_agent_session_is_served_from_the_pool_turn_over_turn(plain_server):
                 "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "ok"}],
             },
         ]
+
+
+def test_a_request_shaped_like_claude_codes_is_served(server):
+    """What Claude Code sends besides a plain request: a billing line first in the system
+    prompt, a system message after the user's, a deferred and a server tool, thinking modes
+    and context management; its answer calls the tool."""
+    client = anthropic_client(server)
+    deferred = dict(WEATHER, name="later", defer_loading=True)
+    # Streamed, as Claude Code asks (the SDK streams a request for that many tokens).
+    with client.messages.stream(
+        model="claude-opus-5-5",
+        max_tokens=128000,
+        system=[
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=1.0.abc;"},
+            {"type": "text", "text": "Use the tools.", "cache_control": {"type": "ephemeral"}},
+        ],
+        messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "system", "content": "Working directory: /tmp"},
+        ],
+        tools=[WEATHER, deferred, {"type": "web_search_20250305", "name": "web_search"}],
+        thinking={"type": "adaptive"},
+        metadata={"user_id": "u"},
+        extra_body={"context_management": {"edits": []}, "output_config": {"effort": "low"}},
+    ) as stream:
+        answer = stream.get_final_message()
+    assert answer.stop_reason == "tool_use" and answer.content[0].name == TOOL_CALL["name"]
+
+
+@pytest.fixture(scope="module")
+def namespaced_server(hf_cache, tmp_path_factory):
+    """The scripted model calling ``weather__get_weather``: a namespaced tool's flat name."""
+    call = dict(TOOL_CALL, name="weather__" + TOOL_CALL["name"])
+    model = build_tool_model(tmp_path_factory.mktemp("models") / "namespaced", call=call)
+    port = free_port()
+    cmd = mlx_lm_server("--plugin", "radix", "--model", str(model), "--port", str(port))
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with Server(cmd, server_env(hf_cache), port, log) as s:
+        yield s
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_namespaced_call_goes_back_with_its_namespace(namespaced_server, streamed):
+    """Codex's tools: functions grouped under a namespace, a hosted web search, developer
+    messages; the call names the function and its namespace, as Codex routes it."""
+    client = openai_client(namespaced_server)
+    function = {"type": "function", "name": "get_weather", "parameters": WEATHER["input_schema"]}
+    ask = dict(
+        model="gpt-5",
+        max_output_tokens=32,
+        temperature=0.0,
+        tools=[
+            {
+                "type": "namespace",
+                "name": "weather",
+                "description": "Weather.",
+                "tools": [function],
+            },
+            {"type": "web_search"},
+        ],
+        store=False,
+        include=["reasoning.encrypted_content"],
+        prompt_cache_key="session-1",
+    )
+
+    def create(items):
+        if not streamed:
+            return client.responses.create(input=items, **ask)
+        with client.responses.stream(input=items, **ask) as stream:
+            for _ in stream:
+                pass
+            return stream.get_final_response()
+
+    items = [
+        {"role": "developer", "content": "You are Codex."},
+        {"role": "user", "content": QUESTION},
+    ]
+    first = create(items)
+    [call] = first.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "get_weather", "weather")
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}
+    second = create([*items, call.model_dump(exclude_none=True), result])
+    assert second.output_text == TOOL_ANSWER
+    assert second.usage.input_tokens_details.cached_tokens > 0

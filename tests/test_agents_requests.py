@@ -2,8 +2,8 @@
 
 import pytest
 
+from mlx_radix_plugin.agents import fields, messages, responses
 from mlx_radix_plugin.agents import generation as g
-from mlx_radix_plugin.agents import messages, responses
 
 WEATHER = {
     "name": "get_weather",
@@ -64,7 +64,7 @@ def test_a_messages_request_reads_as_chat_messages_with_tool_calls_and_results()
         {"role": "tool", "tool_call_id": "t1", "content": "Sunny"},
         {"role": "user", "content": "And tomorrow?"},
     ]
-    assert c.tools == [
+    assert c.tools.rendered == [
         {
             "type": "function",
             "function": {
@@ -89,7 +89,21 @@ OK_MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "con
         ({"temperature": 1.5}, "temperature"),
         ({"stream": "yes"}, "stream"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ({"thinking": 5}, "thinking"),
+        ({"thinking": {"budget_tokens": 9}}, "thinking"),
+        ({"metadata": "x"}, "metadata"),
+        ({"output_config": []}, "output_config"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "system", "content": [{"type": "image"}]},
+                ]
+            },
+            "messages.1.content.0.type",
+        ),
         ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
@@ -109,7 +123,9 @@ OK_MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "con
             "messages.1.role",
         ),
         ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
-        ({"tools": [{"type": "web_search_20250305", "name": "web"}]}, "tools.0.type"),
+        ({"tools": [{"type": 5, "name": "web"}]}, "tools.0.type"),
+        ({"tools": [WEATHER, WEATHER]}, "tools.1.name"),
+        ({"tools": [dict(WEATHER, defer_loading="yes")]}, "tools.0.defer_loading"),
         ({"tool_choice": {"type": "some"}}, "tool_choice.type"),
         ({"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
         ({"system": 5}, "system"),
@@ -118,7 +134,7 @@ OK_MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "con
 )
 def test_a_bad_messages_request_is_refused_naming_the_field(change, param):
     body = {k: v for k, v in {**OK_MESSAGES, **change}.items() if v is not None}
-    with pytest.raises(g.ApiError) as e:
+    with pytest.raises(fields.ApiError) as e:
         messages.conversation(body)
     assert (e.value.status, e.value.param) == (400, param)
     assert str(e.value).startswith(param)
@@ -191,14 +207,23 @@ OK_RESPONSES = {"model": "m", "input": "hi"}
         ),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0"),
         ({"previous_response_id": "resp_never"}, "previous_response_id"),
-        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"tools": [{"type": "namespace", "name": "ns", "tools": {}}]}, "tools.0.tools"),
+        ({"tools": [{"type": "namespace", "tools": []}]}, "tools.0.name"),
+        ({"include": "reasoning.encrypted_content"}, "include"),
+        ({"prompt_cache_key": 5}, "prompt_cache_key"),
+        ({"client_metadata": "x"}, "client_metadata"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        (
+            {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "patch", "input": 5}]},
+            "input.0.input",
+        ),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"top_p": 2}, "top_p"),
     ],
 )
 def test_a_bad_responses_request_is_refused_naming_the_field(change, param):
-    with pytest.raises(g.ApiError) as e:
+    with pytest.raises(fields.ApiError) as e:
         responses.conversation({**OK_RESPONSES, **change})
     assert (e.value.status, e.value.param) == (400, param)
     assert responses.error_body(e.value)["error"]["param"] == param
@@ -209,3 +234,193 @@ def test_remembered_responses_forget_the_oldest_first():
     for name in ("a", "b", "c"):
         store.put(name, [{"role": "user", "content": name}])
     assert [store.get(n) is not None for n in ("a", "b", "c")] == [False, True, True]
+
+
+# Claude Code's request, in the shape it sends (docs/agent-clients.md), with short texts.
+BILLING = "x-anthropic-billing-header: cc_version=2.1.332.dcb; cc_entrypoint=sdk-cli;"
+DEFERRED = {
+    "name": "WebFetch",
+    "description": "Fetch a page",
+    "input_schema": {"type": "object", "properties": {"url": {"type": "string"}}},
+    "defer_loading": True,
+}
+
+
+def claude_code_request(**change) -> dict:
+    body = {
+        "model": "claude-opus-5-5",
+        "max_tokens": 128000,
+        "stream": True,
+        "system": [
+            {"type": "text", "text": BILLING},
+            {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is in notes.txt?"}]},
+            {"role": "system", "content": "# Environment\ncwd: /tmp/work"},
+        ],
+        "tools": [WEATHER, DEFERRED, {"type": "web_search_20250305", "name": "web_search"}],
+        "metadata": {"user_id": '{"device_id": "d"}'},
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "medium"},
+    }
+    return {**body, **change}
+
+
+def test_claude_codes_request_is_served_without_its_billing_line_or_hosted_tools():
+    c = messages.conversation(claude_code_request())
+    assert c.messages == [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "What is in notes.txt?"},
+        {"role": "system", "content": "# Environment\ncwd: /tmp/work"},
+    ]
+    # The deferred tool is callable but not rendered; the server tool is left out.
+    assert [t["function"]["name"] for t in c.tools.rendered] == ["get_weather"]
+    assert sorted(c.tools.callable) == ["WebFetch", "get_weather"]
+    assert c.sampling.max_tokens == 128000
+    kept = messages.conversation(claude_code_request(), billing_header=True)
+    assert kept.messages[0]["content"] == BILLING + "You are an agent."
+
+
+def test_a_changed_billing_line_leaves_the_prompt_as_it_was():
+    changed = claude_code_request()
+    changed["system"][0] = {"type": "text", "text": BILLING.replace("sdk-cli", "cli")}
+    assert messages.conversation(changed).messages == (
+        messages.conversation(claude_code_request()).messages
+    )
+
+
+def test_tool_search_and_tool_changes_render_the_tools_they_load_in_place():
+    history = claude_code_request()["messages"] + [
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t1",
+                    "content": [
+                        {"type": "tool_reference", "tool_name": "WebFetch"},
+                        {"type": "image", "source": {"type": "base64", "data": "AAAA"}},
+                    ],
+                }
+            ],
+        },
+        {
+            "role": "system",
+            "content": [
+                {
+                    "type": "tool_addition",
+                    "tool": {"type": "tool_definition", "definition": dict(WEATHER, name="Cron")},
+                },
+                {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "Cron"}},
+            ],
+        },
+    ]
+    c = messages.conversation(claude_code_request(messages=history))
+    result, change = c.messages[-2:]
+    loaded = c.tools.callable["WebFetch"].render()
+    assert result == {
+        "role": "tool",
+        "tool_call_id": "t1",
+        "content": f"Tool loaded: {loaded}\n[an image: this model reads text only]",
+    }
+    assert change["role"] == "system"
+    assert change["content"].startswith('Tool added: {"type": "function"')
+    assert change["content"].endswith("Tool removed: Cron\n")
+    assert "Cron" in c.tools.callable  # a call to an added tool is parsed as one
+
+
+CODEX_TOOLS = [
+    {"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
+    {
+        "type": "namespace",
+        "name": "multi_agent_v1",
+        "description": "Sub-agents.",
+        "tools": [
+            {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}},
+            {"type": "custom", "name": "notes", "description": "Free text."},
+        ],
+    },
+    {"type": "web_search", "external_web_access": False},
+]
+
+
+def codex_request(**change) -> dict:
+    body = {
+        "model": "mlx-local",
+        "stream": True,
+        "input": [
+            {
+                "type": "message",
+                "id": "msg_1",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "You are Codex."}],
+            },
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "Skills."}],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "<env/>"}],
+            },
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        ],
+        "tools": CODEX_TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "01a249c0",
+        "client_metadata": {"thread_id": "01a249c0"},
+    }
+    return {**body, **change}
+
+
+def test_codexs_request_offers_namespaced_tools_by_their_flat_names():
+    c = responses.conversation(codex_request())
+    assert [m["role"] for m in c.messages] == ["system", "system", "user", "user"]
+    assert [t["function"]["name"] for t in c.tools.rendered] == [
+        "exec_command",
+        "multi_agent_v1__spawn_agent",
+        "multi_agent_v1__notes",
+    ]
+    notes = c.tools.callable["multi_agent_v1__notes"]
+    assert notes.custom and notes.function["function"]["parameters"]["required"] == ["input"]
+
+
+def test_calls_go_back_as_the_client_named_the_tool():
+    c = responses.conversation(codex_request())
+    spawn = responses._call_item(g.ToolCall("multi_agent_v1__spawn_agent", {"x": 1}, "c1"), c.tools)
+    assert {k: spawn[k] for k in ("type", "name", "namespace", "arguments", "call_id")} == {
+        "type": "function_call",
+        "name": "spawn_agent",
+        "namespace": "multi_agent_v1",
+        "arguments": '{"x": 1}',
+        "call_id": "c1",
+    }
+    notes = responses._call_item(g.ToolCall("multi_agent_v1__notes", {"input": "hm"}), c.tools)
+    assert (notes["type"], notes["name"], notes["input"]) == ("custom_tool_call", "notes", "hm")
+    plain = responses._call_item(g.ToolCall("exec_command", {}), c.tools)
+    assert "namespace" not in plain and plain["name"] == "exec_command"
+    # Sent back in the next request's input, each call reads as the model wrote it.
+    outputs = [
+        {"type": "function_call_output", "call_id": spawn["call_id"], "output": "ok"},
+        {"type": "custom_tool_call_output", "call_id": notes["call_id"], "output": "ok"},
+    ]
+    sent = [*codex_request()["input"], spawn, notes, plain, *outputs]
+    again = responses.conversation(codex_request(input=sent))
+    [assistant] = [m for m in again.messages if m["role"] == "assistant"]
+    assert [c["function"] for c in assistant["tool_calls"]] == [
+        {"name": "multi_agent_v1__spawn_agent", "arguments": {"x": 1}},
+        {"name": "multi_agent_v1__notes", "arguments": {"input": "hm"}},
+        {"name": "exec_command", "arguments": {}},
+    ]

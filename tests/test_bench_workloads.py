@@ -28,6 +28,7 @@ from mlx_radix_plugin.tools.bench.workloads import (
     Sampling,
     SharedPrefix,
     eos_logit_bias,
+    fits,
     run_workload,
     single_token_words,
     stock_form,
@@ -149,19 +150,41 @@ def test_multi_turn_sends_history_with_the_servers_replies():
 
 
 def test_an_agent_session_sends_messages_with_tool_calls_and_stock_the_same_as_chat():
-    w = AgentSession(2, 3, 6, 4, 2)
-    sent = collect(w, reply=lambda key, body: f"reply{key[0]}{key[1]}")
-    assert len(sent) == 6
-    path, body = sent[(1, 2)]
-    assert path == "/v1/messages" and body["system"] == sent[(0, 0)][1]["system"]
-    assert [m["role"] for m in body["messages"]] == ["user"] + ["assistant", "user"] * 2
-    assert body["messages"][3]["content"][0]["text"] == "reply11"
-    assert body["messages"][4]["content"][0]["tool_use_id"] == "toolu_1_1"
+    w = AgentSession(2, 2, 6, 4, 2, requests_per_turn=2)
+    sent = collect(w, reply=lambda key, body: "reply" + "".join(map(str, key)))
+    assert len(sent) == w.total_requests == 8
+    path, body = sent[(1, 1, 1)]
+    assert path == "/v1/messages" and body["system"] == sent[(0, 0, 0)][1]["system"]
+    # Turn 1: a task, a reply calling a tool, its result, the answer; turn 2 the same so far.
+    roles = [m["role"] for m in body["messages"]]
+    assert roles == ["user", "assistant", "user", "assistant", "user", "assistant", "user"]
+    call = body["messages"][1]["content"]
+    assert call[0]["text"] == "reply100" and call[1]["type"] == "tool_use"
+    assert body["messages"][2]["content"][0]["tool_use_id"] == call[1]["id"]
+    assert body["messages"][3]["content"] == [{"type": "text", "text": "reply101"}]
+    assert len(body["messages"][4]["content"].split()) == 4  # the next task
     path, chat = stock_form(path, body)
     assert path == "/v1/chat/completions"
-    assert [m["role"] for m in chat["messages"]] == ["system", "user"] + ["assistant", "tool"] * 2
-    assert chat["messages"][4]["content"] == "reply11"
+    assert [m["role"] for m in chat["messages"]] == ["system", "user"] + [
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+    ] + ["assistant", "tool"]
+    assert chat["messages"][4]["content"] == "reply101"
     assert chat["max_tokens"] == body["max_tokens"] and chat["stream_options"]
+    assert w.longest_prompt == 6 + 2 * (4 * 2 + 2 * 2)
+
+
+def test_an_agent_session_past_the_models_context_is_refused_naming_a_longer_one(tmp_path):
+    """The medium preset's sessions are as long as the clients' (24k-token system prompts):
+    the default model's 8,192 tokens cannot hold them, tiny-long's 131,072 can."""
+    [agent] = [w for w in PRESETS["medium"].workloads if w.name == "agent"]
+    assert agent.longest_prompt > 24000
+    short = build("smollm2-135m", tmp_path / "short", **TINY)
+    with pytest.raises(PromptError, match="agent workload.*tiny-long"):
+        fits([agent], short)
+    fits([agent], build("tiny-long", tmp_path / "long"))
 
 
 def test_decode_prompts_are_short_and_distinct():

@@ -97,8 +97,8 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
         "--question", "16", "--burst", "3", "--burst-prefix", "48", "--burst-rounds", "2",
         "--bandwidth-mib", "8", "--pool-tokens", "4096", "--json", str(out),
         "--decode-shared", "3x64", "--shared-max-tokens", "6", "--shared-prefix", "on",
-        "--agent-clients", "2", "--agent-rounds", "3", "--agent-prefix", "64",
-        "--agent-turn", "16", "--agent-max-tokens", "4", "--front", "on",
+        "--agent-clients", "2", "--agent-rounds", "3", "--agent-requests", "2",
+        "--agent-prefix", "64", "--agent-turn", "16", "--agent-max-tokens", "4", "--front", "on",
     ]  # fmt: skip
     assert gpu_bench.main(argv) == 0
     report = json.loads(out.read_text())
@@ -149,16 +149,18 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
         first, later = burst[name]["ttft_mean_s_by_round"]  # each round on a new prefix
         assert burst[name]["first_ttft_mean_s"] == first and burst[name]["ttft_mean_s"] == later
 
-    # The agent loop: every turn's history holds the replies, so turns after the first hit
-    # what the plugin cached of the turn before, and both servers reply alike.
+    # The agent sessions: every request's history holds the replies and tool results before
+    # it, so the plugin reads them from the cache, and both servers reply alike.
     agent = shape["agent"]
-    assert (agent["clients"], agent["rounds"]) == (2, 3)
-    assert agent["greedy_match"] == 2
+    assert (agent["clients"], agent["rounds"], agent["requests_per_turn"]) == (2, 3, 2)
+    assert agent["greedy_match"] == 2 * 3 * 2
     for name in ("stock", "radix"):
-        assert agent[name]["prompt_tokens"] > 2 * 3 * (64 + 16)
+        assert agent[name]["prompt_tokens"] > 2 * 3 * 2 * 64
     assert agent["radix"]["prompt_tokens_computed"] < agent["radix"]["prompt_tokens"] / 2
     for name in ("stock", "radix"):  # each alone, every request served
-        assert (agent[name]["requests_served"], agent[name]["requests_failed"]) == (6, 0)
+        assert agent[name]["requests_served"] == 12 and "server_failed" not in agent[name]
+    assert [t["turn"] for t in agent["by_turn"]] == [1, 2, 3]
+    assert agent["cached_share_min_after_turn_1"]["radix"] > 0.5
     assert agent["radix"]["buffer_bytes_peak"] >= 0 and agent["radix"]["mlx_peak_bytes"] > 0
     # Working memory against the plan, measured by the server (memory/working_set.py).
     radix = agent["radix"]
@@ -182,8 +184,9 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert "| tiny | decode, 2 concurrent: tokens/s (ms/token) |" in table
     assert "| tiny | burst of 3 on a new 48-token prefix: prompt tokens computed |" in table
     assert "| tiny | decode, 3 requests on a cached 64-token prefix, 6 out: tokens/s |" in table
-    assert "| tiny | agent loop, 2 clients x 3 turns of +16 on a 64-token prefix: wall |" in table
-    assert "on a 64-token prefix: memory against the plan |  | MLX peak " in table
+    agents = "| tiny | agents, 2 x 3 turns of 2 requests (+16 a tool result) on a 64-token prompt"
+    assert f"{agents}: wall |" in table and f"{agents}: least cached share" in table
+    assert "on a 64-token prompt: memory against the plan |  | MLX peak " in table
     assert "| tiny | burst of 3 on a new 48-token prefix: the plugin's prompt passes |  | " in table
 
 

@@ -364,6 +364,18 @@ def test_an_empty_prompt_stops_stock_but_not_the_plugin(serve, radix_server):
     assert radix_server.get("/health")[0] == 200
 
 
+def test_max_tokens_past_the_context_is_clamped_to_it(radix_server):
+    """The model reads 2,048 tokens: a request asking for a million more than its prompt
+    leaves gets what the context holds, and ends with "length"."""
+    prompt = " ".join(soak.WORDS[i % len(soak.WORDS)] for i in range(760))
+    r = completion(radix_server, prompt, 1_000_000)
+    usage = r["usage"]
+    assert 1900 <= usage["prompt_tokens"] < 2048, usage
+    assert usage["completion_tokens"] == 2048 - usage["prompt_tokens"] + 1
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert "clamped to" in radix_server.output()
+
+
 def test_context_length_reads_the_config_and_its_rope_scaling():
     def model(**args):
         return SimpleNamespace(args=SimpleNamespace(**args))

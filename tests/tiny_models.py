@@ -183,24 +183,28 @@ def build_tokenizer(
     specials: list[str] = SPECIALS,
     added: list[str] = (),
     chat_template: str = CHAT_TEMPLATE,
+    corpus: list[str] = CORPUS,
+    vocab: int = VOCAB,
+    context: int = 2048,
 ):
-    """A byte-level BPE trained on ``CORPUS``, with ``specials`` and then ``added`` (plain
-    tokens: their text is decoded as it is), written with its config to ``path``."""
+    """A byte-level BPE of ``vocab`` tokens trained on ``corpus``, with ``specials`` and then
+    ``added`` (plain tokens: their text is decoded as it is), written with its config to
+    ``path``; ``context``: its ``model_max_length``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB - len(added),
+        vocab_size=vocab - len(added),
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     if added:
         tok.add_tokens(list(added))
-    assert tok.get_vocab_size(with_added_tokens=True) <= VOCAB
+    assert tok.get_vocab_size(with_added_tokens=True) <= vocab
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -210,7 +214,7 @@ def build_tokenizer(
                 "eos_token": "</s>",
                 "pad_token": "<pad>",
                 "add_bos_token": False,
-                "model_max_length": 2048,
+                "model_max_length": context,
                 "chat_template": chat_template,
             }
         )
@@ -258,9 +262,16 @@ TOOL_SCHEMA = {
         },
     },
 }
-# One added token holds the whole call: no spaces, so the byte-level detokenizer maps each
-# character to itself.
-TOOL_CALL_TEXT = json.dumps(TOOL_CALL, separators=(",", ":"))
+
+
+def tool_call_text(call: dict) -> str:
+    """``call`` as the one added token the scripted model emits: compact JSON, and a space
+    inside a string escaped (``\\u0020``), since a byte-level detokenizer maps an added
+    token's characters one to one and has no character for a space."""
+    return json.dumps(call, separators=(",", ":")).replace(" ", "\\u0020")
+
+
+TOOL_CALL_TEXT = tool_call_text(TOOL_CALL)
 # After a tool result the generation prompt ends with <|answer|>, not <|assistant|>.
 TOOL_SPECIALS = [*SPECIALS, "<|system|>", "<|tool|>", "<|answer|>"]
 # Added like Qwen2.5's (not special): mlx-lm finds the json_tools parser from the
@@ -306,41 +317,74 @@ TOOL_CHAT_TEMPLATE = (
 SCRIPT_LOGIT = 80.0
 
 
-def build_tool_tokenizer(path: Path):
+# The long-context variant's tokenizer: 8,192 tokens trained on mlx-lm's own sources (pinned,
+# so the same on every machine). Agent clients send 30-50k characters of English and JSON
+# schemas: 16k tokens with it, where the 512-token one needs 35k, and prefill on this CPU grows
+# with the square of that.
+LONG_VOCAB = 8192
+LONG_CONTEXT = 131072
+
+
+def long_corpus() -> list[str]:
+    import mlx_lm
+
+    root = Path(mlx_lm.__file__).parent
+    return CORPUS + [f.read_text() for f in sorted(root.rglob("*.py"))]
+
+
+def build_tool_tokenizer(path: Path, call_text: str = TOOL_CALL_TEXT, long_context: bool = False):
     """The byte-level BPE of ``build_tokenizer`` with the tool tokens and template."""
-    added = [*TOOL_ADDED, TOOL_CALL_TEXT]
-    return build_tokenizer(path, TOOL_SPECIALS, added, TOOL_CHAT_TEMPLATE)
+    added = [*TOOL_ADDED, call_text]
+    if not long_context:
+        return build_tokenizer(path, TOOL_SPECIALS, added, TOOL_CHAT_TEMPLATE)
+    return build_tokenizer(
+        path, TOOL_SPECIALS, added, TOOL_CHAT_TEMPLATE, long_corpus(), LONG_VOCAB, LONG_CONTEXT
+    )
 
 
-def build_tool_model(path: Path, seed: int = 0) -> Path:
+def build_tool_model(
+    path: Path, seed: int = 0, call: dict = TOOL_CALL, long_context: bool = False
+) -> Path:
     """Write a llama directory at ``path`` whose greedy output is scripted.
 
     Attention and MLP outputs are zero, so the last hidden state is the current token's
     embedding and the next token depends on the current token only. ``lm_head`` then
     chains, greedily:
 
-    - ``<|assistant|>`` -> ``<tool_call>`` -> TOOL_CALL_TEXT -> ``</tool_call>`` -> ``</s>``
+    - ``<|assistant|>`` -> ``<tool_call>`` -> ``call`` (one token) -> ``</tool_call>`` -> ``</s>``
     - ``<|answer|>`` (the prompt after a tool result) -> TOOL_ANSWER's tokens -> ``</s>``
+
+    ``long_context``: a model that reads 131,072 tokens, for agent clients' prompts, with a
+    larger tokenizer (``LONG_VOCAB``) and one attention head (its output is zero anyway:
+    a quarter of the attention work of four).
     """
     from mlx_lm.utils import _get_classes
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tool_tokenizer(path)
+    call_text = tool_call_text(call)
+    tok = build_tool_tokenizer(path, call_text, long_context)
 
     def ids(text: str) -> list[int]:
         return tok.encode(text).ids
 
     answer = ids(TOOL_ANSWER)
     chain = [
-        [ids("<|assistant|>")[0], *ids("<tool_call>"), *ids(TOOL_CALL_TEXT)]
+        [ids("<|assistant|>")[0], *ids("<tool_call>"), *ids(call_text)]
         + [*ids("</tool_call>"), tok.token_to_id("</s>")],
         [ids("<|answer|>")[0], *answer, tok.token_to_id("</s>")],
     ]
-    assert all(len(ids(t)) == 1 for t in (*TOOL_ADDED, TOOL_CALL_TEXT, "<|answer|>"))
+    assert all(len(ids(t)) == 1 for t in (*TOOL_ADDED, call_text, "<|answer|>"))
     sources = [t for c in chain for t in c[:-1]]
     assert len(set(sources)) == len(sources), "a token would need two next tokens"
 
     config = dict(CONFIGS["llama"], eos_token_id=SPECIALS.index("</s>"), torch_dtype="float32")
+    if long_context:
+        config.update(
+            vocab_size=LONG_VOCAB,
+            max_position_embeddings=LONG_CONTEXT,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+        )
     hidden = config["hidden_size"]
     assert len(sources) <= hidden and tok.token_to_id("</s>") == config["eos_token_id"]
     model_class, args_class = _get_classes(config)

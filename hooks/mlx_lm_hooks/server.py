@@ -9,7 +9,8 @@ copied; every stock endpoint keeps working.
 Where stock 0.32.2 breaks under pressure, the versions here hold, for every plugin: an
 empty prompt ends stock's generation thread (``insert_segments`` raises outside any try),
 so it is refused with HTTP 400, as are a prompt longer than the model's context and one
-the tokenizer rejects (stock: 404); stock's listen backlog of 5 resets connections when
+the tokenizer rejects (stock: 404); ``max_tokens`` is clamped to what the context leaves
+after the prompt (stock decodes past it); stock's listen backlog of 5 resets connections when
 more clients connect at once; a client hanging up mid-stream no longer prints a traceback;
 a request that arrives while a batch decodes joins it at the next step, where stock leaves it
 queued until the generation thread's 0.5 s time budget runs out. Requests with the same
@@ -17,7 +18,9 @@ sampling settings share one sampler, and a logit bias is readable (sampling.py),
 batch can sample and bias its rows at once. A step that fails (a CUDA
 out-of-memory error, say) fails the requests of its batch with HTTP 503 or an error event,
 where stock's generation thread dies for good. Requests may carry vLLM's
-``cache_salt`` (salt.py): only requests with the same salt share cached prompts.
+``cache_salt`` (salt.py): only requests with the same salt share cached prompts, and a
+``messages_for(tokenizer)`` that renders their chat messages for the tokenizer that
+tokenizes them (the agent APIs place system messages by what the template renders).
 """
 
 from __future__ import annotations
@@ -274,7 +277,8 @@ def _response_generator_class(stock, budget):
             self.requests = _RequestQueue()
             # Distributed ranks tokenize in step with rank 0's queue, as stock does.
             self._prefetcher = Prefetcher(
-                partial(stock._tokenize, self), workers=0 if self._is_distributed else None
+                partial(_tokenize_rendered, stock._tokenize, self),
+                workers=0 if self._is_distributed else None,
             )
 
         def _run_generate(self):
@@ -357,6 +361,8 @@ def _response_generator_class(stock, budget):
                     f"the prompt is {len(prompt)} tokens long; this model reads at most "
                     f"{limit} (max_position_embeddings in its config)"
                 )
+            if limit is not None:
+                _clamp_max_tokens(args, limit - len(prompt) + 1, len(prompt), limit)
             # Stock fetches this request's cache next, on this thread.
             if isinstance(self.prompt_cache, SaltedPromptCache):
                 self.prompt_cache.salt = getattr(request, "cache_salt", None)
@@ -412,6 +418,39 @@ def _response_generator_class(stock, budget):
                 _finished(self, ctx, generated, reason, time.perf_counter() - start)
 
     return ResponseGenerator
+
+
+def _tokenize_rendered(stock_tokenize, generator, tokenizer, request, args):
+    """Stock's ``_tokenize``, after a request that renders its messages for the tokenizer
+    (``request.messages_for(tokenizer)``: the agent APIs place system messages by what the
+    model's chat template can render) has rendered them for this one."""
+    messages_for = getattr(request, "messages_for", None)
+    if messages_for is not None:
+        request.messages = messages_for(tokenizer)
+    return stock_tokenize(generator, tokenizer, request, args)
+
+
+_clamps_told = itertools.count()
+
+
+def _clamp_max_tokens(args, room: int, prompt_tokens: int, limit: int) -> None:
+    """``max_tokens`` within what the context leaves after the prompt (``room``: the last
+    token generated is never read back), so that no request decodes past the positions the
+    model was trained for (Claude Code asks for 128,000 on every request). The first clamp is
+    logged at INFO, later ones at DEBUG."""
+    if args.max_tokens <= room:
+        return
+    level = logging.INFO if next(_clamps_told) == 0 else logging.DEBUG
+    log.log(
+        level,
+        "max_tokens %d clamped to %d: the prompt's %d tokens leave that many of the model's "
+        "%d-token context",
+        args.max_tokens,
+        room,
+        prompt_tokens,
+        limit,
+    )
+    args.max_tokens = room
 
 
 def _finished(generator, ctx, generated: int, reason: str | None, seconds: float) -> None:

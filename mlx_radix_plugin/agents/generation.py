@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-from mlx_lm_hooks.salt import BadSalt, parse_salt
 from mlx_lm_hooks.server import GenerationFailed, ModelUnavailable, RequestRefused
+
+from . import instructions
+from .fields import ApiError
+from .tools import Toolset
 
 log = logging.getLogger("mlx_radix_plugin.agents")
 
@@ -31,157 +33,6 @@ NO_TOOL_CALLING = (
     "tools: this model has no tool calling (its chat template and tokenizer name no "
     "tool-call format mlx-lm parses); send the request without tools"
 )
-
-
-class ApiError(Exception):
-    """A request the API answers with an error of its own shape; ``param`` names the field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.kind = kind or {
-            400: "invalid_request_error",
-            404: "not_found_error",
-            503: "overloaded_error",
-        }.get(status, "api_error")
-
-
-def bad(param: str, message: str) -> ApiError:
-    """HTTP 400 naming the field: ``param`` is its path (``messages.2.content.0.type``)."""
-    return ApiError(400, f"{param}: {message}", param)
-
-
-# --- reading a request's fields: each names the field and what it accepts -----------------
-
-
-def model_of(body: object) -> str:
-    """The request's ``model``, once the body is known to be a JSON object."""
-    if not isinstance(body, dict):
-        raise bad("body", f"must be a JSON object, got {type(body).__name__}")
-    return nonempty(body.get("model"), "model")
-
-
-def nonempty(value: object, param: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise bad(param, f"must be a non-empty string, got {value!r}")
-    return value
-
-
-def number(body: dict, name: str, low: float, high: float | None = None) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad(name, f"must be a number, got {value!r}")
-    if value < low or (high is not None and value > high):
-        limit = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise bad(name, f"must be {limit}, got {value!r}")
-    return float(value)
-
-
-def integer(body: dict, name: str, low: int, required: bool = False) -> int | None:
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise bad(name, "is required: an integer")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise bad(name, f"must be an integer of at least {low}, got {value!r}")
-    return value
-
-
-def flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(name, f"must be true or false, got {value!r}")
-    return value
-
-
-def strings(body: dict, name: str) -> list[str]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise bad(name, f"must be a list of non-empty strings, got {value!r}")
-    return list(value)
-
-
-def text_of(value: Any, param: str, text_types: tuple[str, ...]) -> str:
-    """A string, or the text of a list of text parts (``{"type": "text", "text": ...}``)."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad(param, f"must be a string or a list of text blocks, got {value!r}")
-    out = []
-    for i, part in enumerate(value):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in text_types or not isinstance(part.get("text"), str):
-            raise bad(
-                f"{param}.{i}",
-                f"must be a text block ({' or '.join(text_types)} with a string 'text'), "
-                f"got {part!r}",
-            )
-        out.append(part["text"])
-    return "".join(out)
-
-
-def logit_bias(body: dict) -> dict[int, float] | None:
-    """``logit_bias``, as chat completions take it (token id -> bias): an extension of both
-    APIs, as ``cache_salt`` is, so that one benchmark can ban EOS on every route."""
-    value = body.get("logit_bias")
-    if value is None:
-        return None
-    try:
-        if not isinstance(value, dict):
-            raise TypeError
-        return {int(k): float(v) for k, v in value.items()}
-    except (TypeError, ValueError):
-        raise bad("logit_bias", f"must map token ids to numbers, got {value!r}") from None
-
-
-def tool_list(value: object, one: Callable[[dict, str], dict]) -> list[dict] | None:
-    """``tools`` in chat completions' form, ``one(tool, its path)`` reading each."""
-    if value is None or value == []:
-        return None
-    if not isinstance(value, list):
-        raise bad("tools", f"must be a list of tools, got {value!r}")
-    tools = []
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict):
-            raise bad(f"tools.{i}", f"must be an object, got {tool!r}")
-        tools.append(one(tool, f"tools.{i}"))
-    return tools
-
-
-def function_tool(tool: dict, at: str, schema_key: str, default_schema=None) -> dict:
-    """One tool in chat completions' form (what chat templates render): its ``name``, the
-    JSON schema under ``schema_key`` and an optional ``description``."""
-    name, schema = nonempty(tool.get("name"), f"{at}.name"), tool.get(schema_key, default_schema)
-    if not isinstance(schema, dict):
-        raise bad(f"{at}.{schema_key}", f"must be a JSON schema object, got {schema!r}")
-    function = {"name": name, "parameters": schema}
-    if isinstance(tool.get("description"), str):
-        function["description"] = tool["description"]
-    return {"type": "function", "function": function}
-
-
-def named_tool(name: object, tools: list[dict] | None, param: str) -> None:
-    """A ``tool_choice`` that names a tool must name one of ``tools``."""
-    names = [t["function"]["name"] for t in tools or []]
-    if name not in names:
-        raise bad(param, f"must name one of the tools {names}, got {name!r}")
-
-
-def block_text(block: dict, param: str) -> str:
-    """A text block's text."""
-    if not isinstance(block.get("text"), str):
-        raise bad(f"{param}.text", f"must be a string, got {block.get('text')!r}")
-    return block["text"]
 
 
 @dataclass
@@ -196,20 +47,14 @@ class Sampling:
 
 @dataclass
 class Conversation:
-    """A request in chat-completions form: what the chat template renders."""
+    """A request in chat-completions form: what the chat template renders (its system
+    messages placed per template at tokenization: instructions.py)."""
 
     messages: list[dict]
-    tools: list[dict] | None
+    tools: Toolset
     sampling: Sampling
     model: str
     salt: str | None = None
-
-
-def salt_of(body: dict) -> str | None:
-    try:
-        return parse_salt(body)
-    except BadSalt as e:
-        raise ApiError(400, str(e), "cache_salt") from e
 
 
 # --- events -------------------------------------------------------------------------------
@@ -273,7 +118,7 @@ class Turn:
         from mlx_lm.generate import TextStateMachine
 
         ctx = self.ctx
-        tools = self._conversation.tools
+        tools = self._conversation.tools.for_parser
         state = ctx.text_sm.make_state(ctx.initial_state)
         previous = ctx.initial_state
         tool_text = ""
@@ -357,14 +202,16 @@ def render(generator, conversation: Conversation) -> list[int]:
     tokenizer = generator.model_provider.tokenizer
     if tokenizer is None:
         raise ApiError(503, "no model is loaded yet: send a message first, then count")
-    if conversation.tools and not tokenizer.has_tool_calling:
+    tools = conversation.tools.rendered
+    if tools and not tokenizer.has_tool_calling:
         raise ApiError(400, NO_TOOL_CALLING, "tools")
+    template_args = generator.cli_args.chat_template_args
     return tokenizer.apply_chat_template(
-        conversation.messages,
-        tools=conversation.tools,
+        instructions.place(conversation.messages, tokenizer, template_args),
+        tools=tools,
         add_generation_prompt=True,
         tokenize=True,
-        **generator.cli_args.chat_template_args,
+        **template_args,
     )
 
 
@@ -411,8 +258,15 @@ def start(generator, conversation: Conversation) -> Turn:
         seed=None,
         chat_template_kwargs=None,
     )
-    request = CompletionRequest("chat", "", conversation.messages, conversation.tools, None)
+    tools = conversation.tools.rendered
+    request = CompletionRequest("chat", "", conversation.messages, tools, None)
     request.cache_salt = conversation.salt
+
+    def messages_for(tokenizer) -> list[dict]:
+        # Called where the prompt is rendered (hooks' tokenization), with its tokenizer.
+        return instructions.place(conversation.messages, tokenizer, cli.chat_template_args)
+
+    request.messages_for = messages_for
     try:
         ctx, responses = generator.generate(request, args)
     except RequestRefused as e:
@@ -424,7 +278,7 @@ def start(generator, conversation: Conversation) -> Turn:
     except RuntimeError as e:  # "generation thread died"
         raise ApiError(503, f"the server cannot generate now: {e}") from e
     turn = Turn(ctx, responses, conversation, generator.model_provider.tokenizer)
-    if conversation.tools and not ctx.has_tool_calling:
+    if tools and not ctx.has_tool_calling:
         turn.close()
         raise ApiError(400, NO_TOOL_CALLING, "tools")
     return turn

@@ -14,7 +14,9 @@ import json
 import uuid
 from collections.abc import Callable
 
+from . import fields as f
 from . import generation as g
+from . import tools as t
 
 STOP_REASONS = {
     "stop": "end_turn",
@@ -23,68 +25,114 @@ STOP_REASONS = {
     "stop_sequence": "stop_sequence",
 }
 TOOL_CHOICES = ("auto", "any", "tool", "none")
+ROLES = ("user", "assistant", "system")
+BILLING_HEADER = "x-anthropic-billing-header:"
+# Fields a local model has no use for: accepted, their kinds checked (fields.unused).
+UNUSED = {
+    "metadata": "an object",
+    "context_management": "an object",
+    "output_config": "an object",
+    "service_tier": "a string",
+}
 
 
-def error_body(error: g.ApiError) -> dict:
+def error_body(error: f.ApiError) -> dict:
     return {"type": "error", "error": {"type": error.kind, "message": str(error)}}
 
 
-def conversation(body: object, counting: bool = False) -> g.Conversation:
+def conversation(
+    body: object, counting: bool = False, billing_header: bool = False
+) -> g.Conversation:
     """The request in chat-completions form; ``ApiError`` names the first bad field.
-    ``counting``: a ``count_tokens`` body, which has no ``max_tokens``."""
-    model = g.model_of(body)
+    ``counting``: a ``count_tokens`` body, which has no ``max_tokens``. ``billing_header``:
+    keep Claude Code's billing line in the system prompt (the setting
+    ``agents.billing_header``)."""
+    model = f.model_of(body)
     sampling = g.Sampling(
-        max_tokens=g.integer(body, "max_tokens", 1, required=not counting),
-        temperature=g.number(body, "temperature", 0.0, 1.0),
-        top_p=g.number(body, "top_p", 0.0, 1.0),
-        top_k=g.integer(body, "top_k", 0),
-        stop=g.strings(body, "stop_sequences"),
-        logit_bias=g.logit_bias(body),
+        max_tokens=f.integer(body, "max_tokens", 1, required=not counting),
+        temperature=f.number(body, "temperature", 0.0, 1.0),
+        top_p=f.number(body, "top_p", 0.0, 1.0),
+        top_k=f.integer(body, "top_k", 0),
+        stop=f.strings(body, "stop_sequences"),
+        logit_bias=f.logit_bias(body),
     )
-    g.flag(body, "stream", False)
+    f.flag(body, "stream", False)
+    f.unused(body, UNUSED)
+    _thinking(body.get("thinking"))
+    tools = t.anthropic_tools(body.get("tools"))
     messages = []
     if body.get("system") is not None:
-        system = g.text_of(body["system"], "system", ("text",))
-        messages.append({"role": "system", "content": system})
-    messages.extend(_messages(body.get("messages")))
-    tools = g.tool_list(body.get("tools"), _tool)
+        system = _system(body["system"], billing_header)
+        if system:
+            messages.append({"role": "system", "content": system})
+    messages.extend(_messages(body.get("messages"), tools))
     _tool_choice(body.get("tool_choice"), tools)
-    return g.Conversation(messages, tools, sampling, model, g.salt_of(body))
+    return g.Conversation(messages, tools, sampling, model, f.salt_of(body))
 
 
-def _messages(value: object) -> list[dict]:
+def _thinking(value: object) -> None:
+    """Accepted and left to the model's template (``enabled``, ``adaptive``, ``disabled``:
+    the modes change, so any named one is taken)."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise f.bad("thinking", f"must be an object with a string 'type', got {value!r}")
+
+
+def _system(value: object, billing_header: bool) -> str:
+    """The system prompt's text. Claude Code's first block is a billing line,
+    ``x-anthropic-billing-header: cc_version=...; cc_entrypoint=...;``, whose values change
+    with the client's version and entry point (and in some sessions per request): at the
+    very start of the prompt, a changed value would cost the whole cached prefix, so it is
+    left out unless ``billing_header``."""
+    if isinstance(value, list) and not billing_header:
+        value = [
+            b
+            for b in value
+            if not (isinstance(b, dict) and str(b.get("text", "")).startswith(BILLING_HEADER))
+        ]
+    return f.text_of(value, "system", ("text",))
+
+
+def _messages(value: object, tools: t.Toolset) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise g.bad("messages", f"must be a non-empty list of messages, got {value!r}")
+        raise f.bad("messages", f"must be a non-empty list of messages, got {value!r}")
     out: list[dict] = []
     open_calls: set[str] = set()  # the previous assistant message's tool_use ids
     for i, message in enumerate(value):
         where = f"messages.{i}"
         if not isinstance(message, dict):
-            raise g.bad(where, f"must be an object with 'role' and 'content', got {message!r}")
+            raise f.bad(where, f"must be an object with 'role' and 'content', got {message!r}")
         role = message.get("role")
-        if role not in ("user", "assistant"):
-            raise g.bad(f"{where}.role", f"must be 'user' or 'assistant', got {role!r}")
+        if role not in ROLES:
+            raise f.bad(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
         content = message.get("content")
         if isinstance(content, str):
             blocks = [{"type": "text", "text": content}]
         elif isinstance(content, list) and content:
             blocks = content
         else:
-            raise g.bad(
+            raise f.bad(
                 f"{where}.content",
                 f"must be a string or a non-empty list of blocks, got {content!r}",
             )
         if role == "assistant":
             out.append(_assistant(blocks, where))
             open_calls = {c["id"] for c in out[-1].get("tool_calls", [])}
+        elif role == "system":
+            # Mid-conversation instructions (per-turn control, tool changes): placed where
+            # the template can render them (instructions.py).
+            out.append({"role": "system", "content": _system_turn(blocks, where, tools)})
         else:
-            out.extend(_user(blocks, where, open_calls))
+            out.extend(_user(blocks, where, open_calls, tools))
             open_calls = set()
-    if value[-1].get("role") != "user":
-        raise g.bad(
+    if not any(m.get("role") == "user" for m in value):
+        raise f.bad("messages", "must hold a user message")
+    if value[-1].get("role") == "assistant":
+        raise f.bad(
             f"messages.{len(value) - 1}.role",
-            "the last message must be the user's (continuing an assistant message is not "
-            "supported)",
+            "the last message must be the user's, or a system message after it (continuing "
+            "an assistant message is not supported)",
         )
     return out
 
@@ -92,7 +140,7 @@ def _messages(value: object) -> list[dict]:
 def _block_type(block: object, where: str) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
     if not isinstance(kind, str):
-        raise g.bad(where, f"must be a content block with a 'type', got {block!r}")
+        raise f.bad(where, f"must be a content block with a 'type', got {block!r}")
     return kind
 
 
@@ -102,12 +150,12 @@ def _assistant(blocks: list, where: str) -> dict:
         at = f"{where}.content.{j}"
         kind = _block_type(block, at)
         if kind == "text":
-            text.append(g.block_text(block, at))
+            text.append(f.block_text(block, at))
         elif kind == "tool_use":
-            call_id = g.nonempty(block.get("id"), f"{at}.id")
-            name, arguments = g.nonempty(block.get("name"), f"{at}.name"), block.get("input")
+            call_id = f.nonempty(block.get("id"), f"{at}.id")
+            name, arguments = f.nonempty(block.get("name"), f"{at}.name"), block.get("input")
             if not isinstance(arguments, dict):
-                raise g.bad(f"{at}.input", f"must be an object, got {arguments!r}")
+                raise f.bad(f"{at}.input", f"must be an object, got {arguments!r}")
             calls.append(
                 {
                     "id": call_id,
@@ -120,7 +168,7 @@ def _assistant(blocks: list, where: str) -> dict:
         elif kind == "redacted_thinking":
             continue
         else:
-            raise g.bad(
+            raise f.bad(
                 f"{at}.type",
                 f"an assistant message holds text, tool_use and thinking blocks, got {kind!r}",
             )
@@ -135,28 +183,63 @@ def _assistant(blocks: list, where: str) -> dict:
     return message
 
 
-def _user(blocks: list, where: str, open_calls: set[str]) -> list[dict]:
-    results, text = [], []
+def _system_turn(blocks: list, where: str, tools: t.Toolset) -> str:
+    """A system message's text: text blocks, and tool changes (beta mid-conversation tool
+    changes: ``tool_addition`` of a definition, ``tool_removal`` by name) said in place."""
+    out = []
     for j, block in enumerate(blocks):
         at = f"{where}.content.{j}"
         kind = _block_type(block, at)
         if kind == "text":
-            text.append(g.block_text(block, at))
+            out.append(f.block_text(block, at))
+        elif kind == "tool_addition":
+            definition = (block.get("tool") or {}).get("definition")
+            if not isinstance(definition, dict):
+                raise f.bad(f"{at}.tool.definition", f"must be a tool object, got {definition!r}")
+            tool = t.anthropic_tool(definition, f"{at}.tool.definition")
+            tools.callable[tool.name] = tool
+            out.append(f"Tool added: {tool.render()}\n")
+        elif kind == "tool_removal":
+            name = f.nonempty((block.get("tool") or {}).get("name"), f"{at}.tool.name")
+            out.append(f"Tool removed: {name}\n")
+        else:
+            raise f.bad(
+                f"{at}.type",
+                f"a system message holds text, tool_addition and tool_removal blocks, got {kind!r}",
+            )
+    return "".join(out)
+
+
+def _user(blocks: list, where: str, open_calls: set[str], tools: t.Toolset) -> list[dict]:
+    results, text = [], []
+
+    def reference(block: dict, at: str) -> str:
+        # A tool search's answer: the deferred tool it loads, its definition in place.
+        name = f.nonempty(block.get("tool_name"), f"{at}.tool_name")
+        tool = tools.callable.get(name)
+        return f"Tool loaded: {tool.render() if tool else name}\n"
+
+    result_parts = {"image": f.image_placeholder, "tool_reference": reference}
+    for j, block in enumerate(blocks):
+        at = f"{where}.content.{j}"
+        kind = _block_type(block, at)
+        if kind == "text":
+            text.append(f.block_text(block, at))
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if call_id not in open_calls:
-                raise g.bad(
+                raise f.bad(
                     f"{at}.tool_use_id",
                     f"{call_id!r} answers no tool_use block of the previous assistant message"
                     + (f" (its ids: {', '.join(sorted(open_calls))})" if open_calls else ""),
                 )
             content = block.get("content", "")
-            output = g.text_of(content, f"{at}.content", ("text",))
+            output = f.text_of(content, f"{at}.content", ("text",), result_parts)
             if block.get("is_error") is True:
                 output = f"Error: {output}"
             results.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
-            raise g.bad(
+            raise f.bad(
                 f"{at}.type", f"a user message holds text and tool_result blocks, got {kind!r}"
             )
     out = results
@@ -165,26 +248,16 @@ def _user(blocks: list, where: str, open_calls: set[str]) -> list[dict]:
     return out
 
 
-def _tool(tool: dict, at: str) -> dict:
-    if tool.get("type") not in (None, "custom"):
-        raise g.bad(
-            f"{at}.type",
-            f"only client tools (name, description, input_schema) are served, got "
-            f"{tool.get('type')!r}",
-        )
-    return g.function_tool(tool, at, "input_schema")
-
-
-def _tool_choice(value: object, tools: list[dict] | None) -> None:
+def _tool_choice(value: object, tools: t.Toolset) -> None:
     """Checked, then left to the model: without constrained decoding, "any" and "tool" are
     no stronger than "auto" (README says so)."""
     if value is None:
         return
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in TOOL_CHOICES:
-        raise g.bad("tool_choice.type", f"must be one of {', '.join(TOOL_CHOICES)}, got {value!r}")
+        raise f.bad("tool_choice.type", f"must be one of {', '.join(TOOL_CHOICES)}, got {value!r}")
     if kind == "tool":
-        g.named_tool(value.get("name"), tools, "tool_choice.name")
+        t.named_tool(value.get("name"), tools, "tool_choice.name")
 
 
 def count_tokens(conversation: g.Conversation, generator) -> dict:
@@ -259,7 +332,7 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def error_event(error: g.ApiError) -> bytes:
+def error_event(error: f.ApiError) -> bytes:
     return _sse("error", error_body(error))
 
 

@@ -10,36 +10,57 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 
 from mlx_lm_hooks.hookspecs import hookimpl
 from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 from mlx_lm_hooks.server import GenerationFailed
 
+from ..config import Config, ConfigError, exit_with_usage_error, load_config
+from . import fields as f
 from . import generation as g
 from . import messages, responses
 
 log = logging.getLogger("mlx_radix_plugin.agents")
 
 
+@dataclass(frozen=True)
+class Options:
+    """The ``agents.*`` settings (config.py), as the routes read them."""
+
+    billing_header: bool = False
+
+
+options = Options()
+
+
+def configure(config: Config) -> None:
+    """Read the ``agents.*`` settings: at server start, by whichever plugin serves the
+    routes (radix with its own configuration, agents alone with the file's and env's)."""
+    global options
+    options = Options(billing_header=config["agents.billing_header"])
+
+
 def _body(request: RouteRequest) -> object:
     try:
         return json.loads(request.body or b"null")
     except ValueError as e:  # also bad UTF-8
-        raise g.ApiError(400, f"the request body is no JSON: {e}", "body") from e
+        raise f.ApiError(400, f"the request body is no JSON: {e}", "body") from e
 
 
-def _serve(request: RouteRequest, api) -> RouteResponse:
-    """Parse, start, answer: ``api`` is the messages or responses module."""
+def _serve(request: RouteRequest, api, read) -> RouteResponse:
+    """Parse, start, answer: ``api`` is the messages or responses module, ``read`` its
+    reading of a body into a conversation."""
     try:
         body = _body(request)
-        conversation = api.conversation(body)
+        conversation = read(body)
         streamed = body.get("stream") is True
         turn = g.start(request.generator, conversation)
-    except g.ApiError as e:
+    except f.ApiError as e:
         return RouteResponse(e.status, api.error_body(e))
     except Exception as e:  # the client gets the API's error shape, the log the traceback
         log.exception("%s failed", request.path)
-        error = g.ApiError(500, f"internal error: {type(e).__name__}: {e}")
+        error = f.ApiError(500, f"internal error: {type(e).__name__}: {e}")
         return RouteResponse(500, api.error_body(error))
     if streamed:
 
@@ -61,27 +82,31 @@ def _serve(request: RouteRequest, api) -> RouteResponse:
         return RouteResponse(error.status, api.error_body(error))
 
 
-def _failure(error: Exception) -> g.ApiError:
+def _failure(error: Exception) -> f.ApiError:
     """What a client hears of a request that failed after it started."""
     if isinstance(error, GenerationFailed):
-        return g.ApiError(503, str(error))
-    return g.ApiError(500, f"internal error: {type(error).__name__}: {error}")
+        return f.ApiError(503, str(error))
+    return f.ApiError(500, f"internal error: {type(error).__name__}: {error}")
 
 
 def count_tokens_route(request: RouteRequest) -> RouteResponse:
     try:
-        conversation = messages.conversation(_body(request), counting=True)
+        conversation = _messages_conversation(_body(request), counting=True)
         return RouteResponse(200, messages.count_tokens(conversation, request.generator))
-    except g.ApiError as e:
+    except f.ApiError as e:
         return RouteResponse(e.status, messages.error_body(e))
 
 
+def _messages_conversation(body: object, counting: bool = False) -> g.Conversation:
+    return messages.conversation(body, counting, billing_header=options.billing_header)
+
+
 def messages_route(request: RouteRequest) -> RouteResponse:
-    return _serve(request, messages)
+    return _serve(request, messages, _messages_conversation)
 
 
 def responses_route(request: RouteRequest) -> RouteResponse:
-    return _serve(request, responses)
+    return _serve(request, responses, responses.conversation)
 
 
 def register_routes(register) -> None:
@@ -91,6 +116,15 @@ def register_routes(register) -> None:
 
 
 class AgentsPlugin:
+    # First: where radix is active too, its configuration (with `mlx-radix serve`'s flags and
+    # --config) is read after this one and is the one kept.
+    @hookimpl(tryfirst=True)
+    def mlx_lm_server_start(self, cli_args):
+        try:
+            configure(load_config())
+        except ConfigError as e:
+            exit_with_usage_error(str(e))
+
     @hookimpl
     def mlx_lm_register_routes(self, register):
         register_routes(register)

@@ -17,7 +17,9 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 
+from . import fields as f
 from . import generation as g
+from . import tools as t
 
 # Conversations kept for previous_response_id: each holds its messages (a reference to the
 # previous one's list plus this turn), so memory grows with the conversations' text only.
@@ -25,6 +27,25 @@ REMEMBERED = 1024
 TOOL_CHOICES = ("auto", "none", "required")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
+# A tool's output may hold images; a model that reads text gets a placeholder.
+OUTPUT_PARTS = {"input_image": f.image_placeholder}
+# Fields a local model has no use for: accepted, their kinds checked (fields.unused).
+# ``prompt_cache_key`` (Codex: its session id) needs no use here: the radix tree finds a
+# session's cached prefix by its tokens, whatever key it came with.
+UNUSED = {
+    "include": "a list",
+    "prompt_cache_key": "a string",
+    "prompt_cache_retention": "a string",
+    "client_metadata": "an object",
+    "metadata": "an object",
+    "reasoning": "an object",
+    "text": "an object",
+    "parallel_tool_calls": "true or false",
+    "service_tier": "a string",
+    "truncation": "a string",
+    "user": "a string",
+    "safety_identifier": "a string",
+}
 
 
 class _Remembered:
@@ -58,28 +79,30 @@ class Conversation(g.Conversation):
         self.history = history  # the messages without instructions (those are not carried)
 
 
-def error_body(error: g.ApiError) -> dict:
+def error_body(error: f.ApiError) -> dict:
     return {
         "error": {"message": str(error), "type": error.kind, "param": error.param, "code": None}
     }
 
 
 def conversation(body: object) -> Conversation:
-    model = g.model_of(body)
+    model = f.model_of(body)
     sampling = g.Sampling(
-        max_tokens=g.integer(body, "max_output_tokens", 1),
-        temperature=g.number(body, "temperature", 0.0, 2.0),
-        top_p=g.number(body, "top_p", 0.0, 1.0),
-        logit_bias=g.logit_bias(body),
+        max_tokens=f.integer(body, "max_output_tokens", 1),
+        temperature=f.number(body, "temperature", 0.0, 2.0),
+        top_p=f.number(body, "top_p", 0.0, 1.0),
+        logit_bias=f.logit_bias(body),
     )
-    g.flag(body, "stream", False)
-    g.flag(body, "store", True)
+    f.flag(body, "stream", False)
+    f.flag(body, "store", True)
+    f.unused(body, UNUSED)
+    tools = t.responses_tools(body.get("tools"))
     history: list[dict] = []
     previous = body.get("previous_response_id")
     if previous is not None:
         history = remembered.get(previous) if isinstance(previous, str) else None
         if history is None:
-            raise g.bad(
+            raise f.bad(
                 "previous_response_id",
                 f"no response {previous!r} is remembered by this server (it keeps the last "
                 f"{REMEMBERED}, in memory, those sent with store: true)",
@@ -87,9 +110,8 @@ def conversation(body: object) -> Conversation:
     history = history + _input(body.get("input"), _calls_in(history))
     messages = list(history)
     if body.get("instructions") is not None:
-        instructions = g.text_of(body["instructions"], "instructions", TEXT_PARTS)
+        instructions = f.text_of(body["instructions"], "instructions", TEXT_PARTS)
         messages.insert(0, {"role": "system", "content": instructions})
-    tools = g.tool_list(body.get("tools"), _tool)
     _tool_choice(body.get("tool_choice"), tools)
     return Conversation(
         body,
@@ -98,7 +120,7 @@ def conversation(body: object) -> Conversation:
         tools=tools,
         sampling=sampling,
         model=model,
-        salt=g.salt_of(body),
+        salt=f.salt_of(body),
     )
 
 
@@ -109,42 +131,29 @@ def _calls_in(messages: list[dict]) -> set[str]:
 def _input(value: object, calls: set[str]) -> list[dict]:
     if isinstance(value, str):
         if not value:
-            raise g.bad("input", "must not be empty")
+            raise f.bad("input", "must not be empty")
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise g.bad("input", f"must be a string or a non-empty list of items, got {value!r}")
+        raise f.bad("input", f"must be a string or a non-empty list of items, got {value!r}")
     out: list[dict] = []
     reasoning: list[str] = []  # a reasoning item's text, for the assistant message after it
     for i, item in enumerate(value):
         at = f"input.{i}"
         if not isinstance(item, dict):
-            raise g.bad(at, f"must be an object, got {item!r}")
+            raise f.bad(at, f"must be an object, got {item!r}")
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
-                raise g.bad(f"{at}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-            text = g.text_of(item.get("content"), f"{at}.content", TEXT_PARTS)
+                raise f.bad(f"{at}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+            text = f.text_of(item.get("content"), f"{at}.content", TEXT_PARTS)
             out.append({"role": ROLES[role], "content": text})
             if role == "assistant" and reasoning:
                 out[-1]["reasoning_content"] = "".join(reasoning)
             reasoning = []
-        elif kind == "function_call":
-            call_id = g.nonempty(item.get("call_id"), f"{at}.call_id")
-            name, arguments = g.nonempty(item.get("name"), f"{at}.name"), item.get("arguments")
-            try:
-                parsed = json.loads(arguments) if isinstance(arguments, str) else None
-            except ValueError:
-                parsed = None
-            if not isinstance(parsed, dict):
-                raise g.bad(
-                    f"{at}.arguments", f"must be a JSON object in a string, got {arguments!r}"
-                )
-            call = {
-                "id": call_id,
-                "type": "function",
-                "function": {"name": name, "arguments": parsed},
-            }
+        elif kind in ("function_call", "custom_tool_call"):
+            call_id = f.nonempty(item.get("call_id"), f"{at}.call_id")
+            call = {"id": call_id, "type": "function", "function": _called(item, kind, at)}
             # Calls made in one turn are one assistant message, after its text if it had any.
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and not reasoning:
@@ -155,11 +164,11 @@ def _input(value: object, calls: set[str]) -> list[dict]:
                     out[-1]["reasoning_content"] = "".join(reasoning)
             reasoning = []
             calls.add(call_id)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
             if call_id not in calls:
-                raise g.bad(f"{at}.call_id", f"{call_id!r} answers no function_call before it")
-            output = g.text_of(item.get("output"), f"{at}.output", TEXT_PARTS)
+                raise f.bad(f"{at}.call_id", f"{call_id!r} answers no function_call before it")
+            output = f.text_of(item.get("output"), f"{at}.output", TEXT_PARTS, OUTPUT_PARTS)
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             # Kept for the assistant message that follows, as ``reasoning_content``: see
@@ -169,28 +178,47 @@ def _input(value: object, calls: set[str]) -> list[dict]:
                 p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
             ]
         else:
-            raise g.bad(
+            raise f.bad(
                 f"{at}.type",
-                f"must be message, function_call, function_call_output or reasoning, got {kind!r}",
+                "must be message, function_call, function_call_output, custom_tool_call, "
+                f"custom_tool_call_output or reasoning, got {kind!r}",
             )
     return out
 
 
-def _tool(tool: dict, at: str) -> dict:
-    if tool.get("type") != "function":
-        raise g.bad(f"{at}.type", f"only function tools are served, got {tool.get('type')!r}")
-    return g.function_tool(tool, at, "parameters", {"type": "object"})
+def _called(item: dict, kind: str, at: str) -> dict:
+    """A call item as a chat tool call's ``function``, named as the model sees the tool (a
+    namespaced one by its flat name; tools.py)."""
+    name = f.nonempty(item.get("name"), f"{at}.name")
+    namespace = item.get("namespace")
+    if namespace is not None:
+        name = t.flat_name(f.nonempty(namespace, f"{at}.namespace"), name)
+    if kind == "custom_tool_call":
+        text = item.get("input")
+        if not isinstance(text, str):
+            raise f.bad(f"{at}.input", f"must be a string, got {text!r}")
+        return {"name": name, "arguments": {t.CUSTOM_INPUT: text}}
+    arguments = item.get("arguments")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise f.bad(f"{at}.arguments", f"must be a JSON object in a string, got {arguments!r}")
+    return {"name": name, "arguments": parsed}
 
 
-def _tool_choice(value: object, tools: list[dict] | None) -> None:
+def _tool_choice(value: object, tools: t.Toolset) -> None:
     """Checked, then left to the model: without constrained decoding, "required" and a named
     function are no stronger than "auto" (README says so)."""
     if value is None or value in TOOL_CHOICES:
         return
-    if isinstance(value, dict) and value.get("type") == "function":
-        g.named_tool(value.get("name"), tools, "tool_choice.name")
+    if isinstance(value, dict) and value.get("type") in ("function", "custom"):
+        t.named_tool(value.get("name"), tools, "tool_choice.name")
         return
-    raise g.bad(
+    if isinstance(value, dict) and isinstance(value.get("type"), str):
+        return  # a hosted tool's kind (web_search, ...), left out of the prompt
+    raise f.bad(
         "tool_choice", f"must be one of {', '.join(TOOL_CHOICES)} or a function, got {value!r}"
     )
 
@@ -274,13 +302,9 @@ class _Output:
         if thought:
             message["reasoning_content"] = thought
         calls = [
-            {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": json.loads(item["arguments"])},
-            }
+            {"id": item["call_id"], "type": "function", "function": _called(item, item["type"], "")}
             for item in self.items
-            if item["type"] == "function_call"
+            if item["type"] in ("function_call", "custom_tool_call")
         ]
         if calls:
             message["tool_calls"] = calls
@@ -307,15 +331,27 @@ def _reasoning_item() -> dict:
     }
 
 
-def _call_item(call: g.ToolCall) -> dict:
-    return {
-        "type": "function_call",
-        "id": _new_id("fc"),
+def _call_item(call: g.ToolCall, tools: t.Toolset) -> dict:
+    """A call as the client knows the tool: a namespaced one by its name and namespace, a
+    custom one as a ``custom_tool_call`` with its text (tools.py). A name the request never
+    offered goes back as the model wrote it (the client says it has no such tool)."""
+    tool = tools.callable.get(call.name)
+    custom = tool is not None and tool.custom
+    item = {
+        "type": "custom_tool_call" if custom else "function_call",
+        "id": _new_id("ctc" if custom else "fc"),
         "call_id": call.id or _new_id("call"),
-        "name": call.name,
-        "arguments": json.dumps(call.arguments, ensure_ascii=False),
-        "status": "in_progress",
+        "name": tool.client_name if tool is not None else call.name,
     }
+    if tool is not None and tool.namespace is not None:
+        item["namespace"] = tool.namespace
+    if custom:
+        text = call.arguments.get(t.CUSTOM_INPUT)
+        item["input"] = text if isinstance(text, str) else json.dumps(call.arguments)
+    else:
+        item["arguments"] = json.dumps(call.arguments, ensure_ascii=False)
+    item["status"] = "in_progress"
+    return item
 
 
 def answer(turn: g.Turn, conversation: Conversation) -> dict:
@@ -325,7 +361,7 @@ def answer(turn: g.Turn, conversation: Conversation) -> dict:
             if isinstance(event, g.Finish):
                 out.finish(event)
             elif isinstance(event, g.ToolCall):
-                out.items.append(_call_item(event))
+                out.items.append(_call_item(event, conversation.tools))
             elif isinstance(event, g.Reasoning):
                 if not out.items or out.items[-1]["type"] != "reasoning":
                     out.items.append(_reasoning_item())
@@ -354,7 +390,7 @@ class _Events:
         self._write(f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
 
 
-def error_event(error: g.ApiError) -> bytes:
+def error_event(error: f.ApiError) -> bytes:
     # Sent where a stream breaks off, its number unknown here: the SDK does not check it.
     data = {"type": "error", "code": error.kind, "message": str(error), "param": error.param}
     data["sequence_number"] = 0
@@ -425,14 +461,16 @@ def stream(turn: g.Turn, conversation: Conversation, write: Callable[[bytes], No
                     **extra,
                 )
             elif isinstance(event, g.ToolCall):
-                item = _call_item(event)
-                arguments = item["arguments"]
-                index = open_(dict(item, arguments=""))
+                item = _call_item(event, conversation.tools)
+                key = "input" if item["type"] == "custom_tool_call" else "arguments"
+                name = "custom_tool_call_input" if key == "input" else "function_call_arguments"
+                text = item[key]
+                index = open_(dict(item, **{key: ""}))
                 item = out.items[index]
-                item["arguments"] = arguments
+                item[key] = text
                 ids = dict(item_id=item["id"], output_index=index)
-                send("response.function_call_arguments.delta", **ids, delta=arguments)
-                send("response.function_call_arguments.done", **ids, arguments=arguments)
+                send(f"response.{name}.delta", **ids, delta=text)
+                send(f"response.{name}.done", **ids, **{key: text})
                 item["status"] = "completed"
                 send("response.output_item.done", output_index=index, item=snapshot(item))
             else:

@@ -105,6 +105,9 @@ TINY = dict(
     num_key_value_heads=2,
     vocab_size=600,
 )
+# The same, reading 131,072 tokens: agent sessions at their clients' scale (24k-token system
+# prompts) on a CPU, where prefill on SmolLM2-135M's shape would take minutes a request.
+SHAPES["tiny-long"] = dict(SHAPES["smollm2-135m"], **TINY, max_position_embeddings=131072)
 EOS, UNK = 0, 1
 SPECIAL = {"<eos>": EOS, "<unk>": UNK}
 FIRST_WORD = len(SPECIAL) + 256  # the first id that is a word (after the byte symbols)

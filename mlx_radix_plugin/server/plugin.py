@@ -6,7 +6,6 @@ import ipaddress
 import json
 import logging
 import socket
-import sys
 import threading
 import weakref
 from collections import Counter
@@ -17,7 +16,7 @@ from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 
 from ..agents import plugin as agents
 from ..cache.prompt_cache import idle_stats
-from ..config import Config, ConfigError, load_config
+from ..config import Config, ConfigError, exit_with_usage_error, load_config
 from ..engine import fused_projections, warmup
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
@@ -31,12 +30,6 @@ log = logging.getLogger("mlx_radix")
 
 # When the plugin loads: before the hooks change anything in mlx_lm.server.
 mlx_lm_internals.check()
-
-
-def exit_with_usage_error(message: str):
-    """Stop before anything starts: the message on stderr, exit status 2 (as argparse)."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def is_loopback(host: str) -> bool:
@@ -101,6 +94,7 @@ class RadixPlugin:
             self.config = load_config(cli=self.cli_overrides, path=self.config_path)
         except ConfigError as e:
             exit_with_usage_error(str(e))
+        agents.configure(self.config)
         logging.getLogger("mlx_radix").setLevel(self.config["log_level"])
         blas_notice()
         if not is_loopback(cli_args.host):

@@ -45,7 +45,9 @@ import mlx.core as mx
 from ..engine.step_clock import PARTS as STEP_PARTS
 from ..models.random_model import FIRST_WORD, SHAPES, TINY, build, words
 from .bench.command import NO_EOS, Requests, server_env
+from .bench.report import compare_turns
 from .bench.servers import Launched, ServerProcess, free_port, free_ports, mlx_launch
+from .bench.workloads import AgentSession, Prompts, Sampling, run_workload, single_token_words
 from .decode_calibration import parse_grid
 
 DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
@@ -590,55 +592,30 @@ def _prefill_passes(server: ServerProcess, since: dict | None = None) -> dict:
     return {k: v - (since or {}).get(k, 0) for k, v in now.items()}
 
 
-def _agent_session(server: ServerProcess, args, rng_seed: int) -> dict:
-    """One agent loop on ``server`` (``measure_agent``): wall, TTFTs, tokens, final texts,
-    and the requests that failed (a server out of memory answers some with errors)."""
-    rng = Requests(rng_seed, args.vocab)
-    shared = words(_ids(rng, args.agent_prefix))
-    out = {"ttft": [], "prompt_tokens": 0, "computed": 0, "texts": [""] * args.agent_clients}
-    out["failed"] = []
-    lock = threading.Lock()
-
-    def client(i: int) -> None:
-        own = Requests(rng_seed * 1000 + i, args.vocab)
-        text = shared
-        for _ in range(args.agent_rounds):
-            text += words(_ids(own, args.agent_turn))
-            try:
-                _, (r,) = stream_all(server, [text], args.agent_max_tokens)
-            except Exception as e:  # noqa: BLE001 - a failed request is part of the result
-                with lock:
-                    out["failed"].append(f"{type(e).__name__}: {e}"[:200])
-                return  # an agent whose turn failed stops
-            text += r["text"]
-            with lock:
-                out["ttft"].append(r["ttft"])
-                out["prompt_tokens"] += r["usage"]["prompt_tokens"]
-                out["computed"] += _computed(r["usage"])
-        out["texts"][i] = text
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(args.agent_clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    out["wall"] = time.perf_counter() - start
-    return out
-
-
 def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
-    """An agent loop: ``args.agent_clients`` clients at once, each ``args.agent_rounds``
-    turns on one shared ``args.agent_prefix``-token prefix (a system prompt of tool
-    definitions, say); a turn adds ``args.agent_turn`` tokens of its own, and the reply
-    (``args.agent_max_tokens`` tokens) is sent back as text in the next turn's history.
+    """Agent sessions in their clients' shape (the CPU bench's ``AgentSession``, Claude Code's
+    and Codex's sessions): ``args.agent_clients`` at once on one ``args.agent_prefix``-token
+    system prompt of instructions and tools, each ``args.agent_rounds`` turns; a turn is a
+    user message and ``args.agent_requests`` requests, a tool result of ``args.agent_turn``
+    tokens after each but the last, replies of ``args.agent_max_tokens``. The plugin is sent
+    the Messages API, stock the same conversation through its chat completions.
 
     Each server is started alone on the device, stock first (at 16 clients on 4,096 tokens
-    stock's K/V copies alone reached 150 GB): requests served and failed, the device's peak
-    memory, and for the plugin what its memory plan names (model, working memory, the pool's
-    ceiling) and the pool it grew to."""
+    stock's K/V copies alone reached 150 GB): requests served, the device's peak memory, per
+    turn the share of the prompt read from the cache and TTFT, and for the plugin what its
+    memory plan names (model, working memory, the pool's ceiling) and the pool it grew to."""
+    workload = AgentSession(
+        args.agent_clients,
+        args.agent_rounds,
+        args.agent_prefix,
+        args.agent_turn,
+        args.agent_max_tokens,
+        requests_per_turn=args.agent_requests,
+    )
+    words_ = single_token_words(model_dir)
+    sampling = Sampling(NO_EOS if LOGIT_BIAS else {})
     out: dict = {}
-    texts = {}
+    runs: dict[str, list] = {}
     for name in SERVERS:
         extra: dict = {}
         device = DeviceMemoryPeak(args.ranks)
@@ -650,7 +627,8 @@ def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
                 if poller:
                     poller.start()
                 with py_spy(server, _spy_path(args, f"{name}-agent")):
-                    run = _agent_session(server, args, rng_seed)
+                    prompts = Prompts(f"{rng_seed}:agent", words_)
+                    run = run_workload(server, name, workload, prompts, sampling)
                 if poller:
                     # What the plugin held outside the model and the pool, at its peaks.
                     extra.update(poller.stop())
@@ -669,24 +647,28 @@ def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
         except Exception as e:  # noqa: BLE001 - the server's failure is the result
             extra["server_failed"] = f"{type(e).__name__}: {e}"[:300]
         extra["device_memory_peak_bytes"] = device.stop()
-        run = run or {"ttft": [], "prompt_tokens": 0, "computed": 0, "failed": [], "wall": None}
-        texts[name] = run.get("texts", [])
+        replies = list(run.replies.values()) if run else []
         out[name] = {
-            "wall_s": None if run["wall"] is None else round(run["wall"], 3),
-            **(_ttft_summary(run["ttft"]) if run["ttft"] else {}),
-            "requests_served": len(run["ttft"]),
-            "requests_failed": len(run["failed"]),
-            "failures": run["failed"][:3],
-            "prompt_tokens": run["prompt_tokens"],
-            "prompt_tokens_computed": run["computed"],
+            "wall_s": round(run.wall_s, 3) if run else None,
+            **(_ttft_summary([r.ttft_s for r in replies]) if replies else {}),
+            "requests_served": len(replies),
+            "prompt_tokens": sum(r.usage["prompt_tokens"] for r in replies),
+            "prompt_tokens_computed": sum(_computed(r.usage) for r in replies),
             **extra,
         }
-    expected = args.agent_clients * args.agent_rounds
-    if all(out[n]["requests_served"] == expected for n in SERVERS):
+        if run:
+            runs[name] = [run]
+    if len(runs) == len(SERVERS):
         out["wall_speedup"] = round(out["stock"]["wall_s"] / out["radix"]["wall_s"], 3)
         out["ttft_p50_speedup"] = round(out["stock"]["ttft_p50_s"] / out["radix"]["ttft_p50_s"], 3)
-        out["greedy_match"] = sum(a == b for a, b in zip(texts["stock"], texts["radix"]))
-    out["clients"], out["rounds"] = args.agent_clients, args.agent_rounds
+        stock, radix = (runs[n][0].replies for n in SERVERS)
+        out["greedy_match"] = sum(stock[k].text == radix[k].text for k in stock)
+        out.update(compare_turns(runs))
+    out["clients"], out["rounds"], out["requests_per_turn"] = (
+        args.agent_clients,
+        args.agent_rounds,
+        args.agent_requests,
+    )
     out["shared_prefix"], out["turn"] = args.agent_prefix, args.agent_turn
     return out
 
@@ -894,16 +876,19 @@ def markdown(report: dict) -> str:
         if "agent" in s:
             a = s["agent"]
             loop = (
-                f"agent loop, {a['clients']} clients x {a['rounds']} turns of +{a['turn']} "
-                f"on a {a['shared_prefix']}-token prefix"
+                f"agents, {a['clients']} x {a['rounds']} turns of {a['requests_per_turn']} "
+                f"requests (+{a['turn']} a tool result) on a {a['shared_prefix']}-token prompt"
             )
             if "wall_speedup" in a:
                 stock, radix = (f"{a[k]['wall_s']:.2f} s" for k in SERVERS)
                 row(name, f"{loop}: wall", stock, radix, f"{a['wall_speedup']:.2f}x")
                 stock, radix = (_ms(a[k]["ttft_p50_s"]) for k in SERVERS)
                 row(name, f"{loop}: TTFT p50", stock, radix, f"{a['ttft_p50_speedup']:.2f}x")
+                least = a["cached_share_min_after_turn_1"]
+                stock, radix = (f"{least[k]:.1%}" for k in SERVERS)
+                row(name, f"{loop}: least cached share of a turn after the first", stock, radix)
             stock, radix = (
-                f"{a[k]['requests_served']} served, {a[k]['requests_failed']} failed"
+                f"{a[k]['requests_served']} served"
                 + (" (server failed)" if "server_failed" in a[k] else "")
                 for k in SERVERS
             )
@@ -1033,10 +1018,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst", type=int, default=32, help="burst: requests")
     p.add_argument("--burst-prefix", type=int, default=2048, help="burst: shared prefix tokens")
     p.add_argument("--burst-rounds", type=_positive_int, default=3, help="burst: rounds")
+    # Claude Code's and Codex's sessions: ~24k tokens of instructions and tools, turns of a
+    # few requests with tool results between them (docs/agents.md).
     p.add_argument("--agent-clients", type=_positive_int, default=8, help="agent: clients")
-    p.add_argument("--agent-rounds", type=_positive_int, default=6, help="agent: turns a client")
-    p.add_argument("--agent-prefix", type=int, default=4096, help="agent: shared prefix tokens")
-    p.add_argument("--agent-turn", type=int, default=512, help="agent: tokens a turn adds")
+    p.add_argument("--agent-rounds", type=_positive_int, default=4, help="agent: turns a client")
+    p.add_argument("--agent-requests", type=_positive_int, default=3, help="agent: requests a turn")
+    p.add_argument("--agent-prefix", type=int, default=24576, help="agent: system prompt tokens")
+    p.add_argument("--agent-turn", type=int, default=512, help="agent: tokens a tool result")
     p.add_argument("--agent-max-tokens", type=int, default=64, help="agent: tokens a reply")
     p.add_argument(
         "--logit-bias",

@@ -40,6 +40,7 @@ from .workloads import (
     Sampling,
     Workload,
     eos_logit_bias,
+    fits,
     run_workload,
     single_token_words,
 )
@@ -262,6 +263,7 @@ def run(
     report of ``bench_report.build_report``."""
     preset: Preset = PRESETS[preset_name]
     workloads = [w for w in preset.workloads if not only or w.name in only]
+    fits(workloads, model)
     sampling = Sampling(eos_logit_bias(model) if ban_eos else {})
     words = single_token_words(model)
     show = _Progress(progress)
