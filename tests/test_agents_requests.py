@@ -104,6 +104,15 @@ OK_MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "con
             },
             "messages.1.content.0.type",
         ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "system", "content": [{"type": "tool_removal", "tool": "Cron"}]},
+                ]
+            },
+            "messages.1.content.0.tool",
+        ),
         ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image"}]}]},

@@ -81,10 +81,10 @@ def _thinking(value: object) -> None:
 
 def _system(value: object, billing_header: bool) -> str:
     """The system prompt's text. Claude Code's first block is a billing line,
-    ``x-anthropic-billing-header: cc_version=...; cc_entrypoint=...;``, whose values change
-    with the client's version and entry point (and in some sessions per request): at the
-    very start of the prompt, a changed value would cost the whole cached prefix, so it is
-    left out unless ``billing_header``."""
+    ``x-anthropic-billing-header: cc_version=2.1.332.dcb; cc_entrypoint=sdk-cli;``, whose
+    version suffix is a hash of the session's first prompt (and against Anthropic's API,
+    per-request values follow): at the very start of the prompt, a changed value would cost
+    the whole cached prefix, so it is left out unless ``billing_header``."""
     if isinstance(value, list) and not billing_header:
         value = [
             b
@@ -193,14 +193,14 @@ def _system_turn(blocks: list, where: str, tools: t.Toolset) -> str:
         if kind == "text":
             out.append(f.block_text(block, at))
         elif kind == "tool_addition":
-            definition = (block.get("tool") or {}).get("definition")
+            definition = _field(block, "tool", at).get("definition")
             if not isinstance(definition, dict):
                 raise f.bad(f"{at}.tool.definition", f"must be a tool object, got {definition!r}")
             tool = t.anthropic_tool(definition, f"{at}.tool.definition")
-            tools.callable[tool.name] = tool
+            tools.define(tool)
             out.append(f"Tool added: {tool.render()}\n")
         elif kind == "tool_removal":
-            name = f.nonempty((block.get("tool") or {}).get("name"), f"{at}.tool.name")
+            name = f.nonempty(_field(block, "tool", at).get("name"), f"{at}.tool.name")
             out.append(f"Tool removed: {name}\n")
         else:
             raise f.bad(
@@ -208,6 +208,13 @@ def _system_turn(blocks: list, where: str, tools: t.Toolset) -> str:
                 f"a system message holds text, tool_addition and tool_removal blocks, got {kind!r}",
             )
     return "".join(out)
+
+
+def _field(block: dict, name: str, at: str) -> dict:
+    value = block.get(name)
+    if not isinstance(value, dict):
+        raise f.bad(f"{at}.{name}", f"must be an object, got {value!r}")
+    return value
 
 
 def _user(blocks: list, where: str, open_calls: set[str], tools: t.Toolset) -> list[dict]:

@@ -103,6 +103,11 @@ class Toolset:
         if not deferred:
             self.offered.append(tool)
 
+    def define(self, tool: Tool) -> None:
+        """A tool a conversation adds in place (its definition rendered there): callable
+        from then on, the template's tools unchanged."""
+        self.callable[tool.name] = tool
+
     @property
     def rendered(self) -> list[dict] | None:
         """The template's ``tools`` (None: no tools)."""
