@@ -193,6 +193,15 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "on", "off"),
     ),
     Setting(
+        "prefill.attention",
+        "auto",
+        "a prompt pass's attention holds at most the working set's share for it, at any prompt "
+        "length (auto: queries, and past that keys, in blocks where the scores would pass it; "
+        "on CUDA cuDNN's causal flash attention; logits within the fidelity tolerance; "
+        "off: mlx-lm's call whole, as stock, bitwise)",
+        choices=("auto", "off"),
+    ),
+    Setting(
         "prefill.shared_prefix",
         "auto",
         "rows of a prompt batch that share a cached prefix read it once a layer, in one "

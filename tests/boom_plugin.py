@@ -1,5 +1,6 @@
-"""A plugin whose batch generator fails a decode step of any request asking for 13 tokens
-(run inside a test server, to check that the server goes on serving after a failed step)."""
+"""A plugin whose batch generator fails a decode step of any request asking for 13 tokens, and
+the second prompt pass of any asking for 17 as an allocation would (run inside a test server,
+to check that the server goes on serving after a failed step)."""
 
 import sys
 
@@ -8,12 +9,15 @@ from mlx_lm_hooks.hookspecs import hookimpl
 
 ARMED_MAX_TOKENS = 13
 FAIL_AFTER = 3  # tokens the armed request streams before its step fails
+ARMED_PROMPT_MAX_TOKENS = 17
+OUT_OF_MEMORY = "cudaMallocAsync(&data, size, stream) failed: out of memory (injected)"
 
 
 def arm(generator):
     """Make ``generator`` (mlx-lm's BatchGenerator or a plugin's) fail a decode step of any
     request asking for ARMED_MAX_TOKENS tokens, once it has streamed FAIL_AFTER."""
     armed: dict[int, int] = {}  # uid -> tokens generated
+    prompt_armed: set[int] = set()
     insert_segments, step = generator.insert_segments, generator.next
 
     def insert(segments, max_tokens=None, *args, **kwargs):
@@ -21,7 +25,35 @@ def arm(generator):
         for uid, n in zip(uids, max_tokens or []):
             if n == ARMED_MAX_TOKENS:
                 armed[uid] = 0
+            if n == ARMED_PROMPT_MAX_TOKENS:
+                prompt_armed.add(uid)
         return uids
+
+    passes: dict[int, int] = {}  # uid -> prompt passes it was in
+    batch = generator._prompt_batch
+    prompt = batch.prompt
+
+    def prompt_pass(tokens):
+        # The second pass of an armed request fails as MLX's allocator does: in its
+        # evaluation, after the pass's graph is built (its K/V staged for the pool).
+        armed_now = [u for u in batch.uids if u in prompt_armed]
+        for u in armed_now:
+            passes[u] = passes.get(u, 0) + 1
+        if not any(passes[u] == 2 for u in armed_now):
+            return prompt(tokens)
+        model = batch.model
+
+        def failing(*args, **kwargs):
+            model(*args, **kwargs)
+            raise RuntimeError(OUT_OF_MEMORY)
+
+        batch.model = failing
+        try:
+            return prompt(tokens)
+        finally:
+            batch.model = model
+
+    batch.prompt = prompt_pass
 
     def next_step():
         prompt_responses, responses = step()

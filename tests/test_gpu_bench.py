@@ -99,6 +99,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
         "--decode-shared", "3x64", "--shared-max-tokens", "6", "--shared-prefix", "on",
         "--agent-clients", "2", "--agent-rounds", "3", "--agent-requests", "2",
         "--agent-prefix", "64", "--agent-turn", "16", "--agent-max-tokens", "4", "--front", "on",
+        "--long-prompts", "256,512",
     ]  # fmt: skip
     assert gpu_bench.main(argv) == 0
     report = json.loads(out.read_text())
@@ -171,6 +172,16 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert plan["model_bytes"] > 0 and agent["radix"]["pool_bytes_total"] <= plan["pool_max_bytes"]
     assert agent["wall_speedup"] == round(agent["stock"]["wall_s"] / agent["radix"]["wall_s"], 3)
 
+    # Long prompts, each server alone.
+    long = shape["long"]
+    assert set(long["prompts"]) == {"256", "512"} and long["matmul_tflop_s"] >= 0
+    for tokens, point in long["prompts"].items():
+        assert point["flop_time_s"] > 0
+        for name in ("stock", "radix"):
+            assert point[name]["prompt_tokens"] == int(tokens) and point[name]["ttft_s"] > 0
+        assert 0 < point["radix"]["working_peak_prefill_bytes"]
+        assert point["radix"]["working_peak_prefill_bytes"] <= radix["memory_plan"]["working_bytes"]
+
     # The floor: the step's bytes over the measured copy bandwidth.
     floor = shape["floor"]
     bandwidth = report["copy_bandwidth_gb_s"] * 1e9
@@ -188,6 +199,35 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert f"{agents}: wall |" in table and f"{agents}: least cached share" in table
     assert "on a 64-token prompt: memory against the plan |  | MLX peak " in table
     assert "| tiny | burst of 3 on a new 48-token prefix: the plugin's prompt passes |  | " in table
+
+
+def test_a_prompts_flops_are_its_linear_work_and_causal_attention():
+    config = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128,
+    )  # fmt: skip
+    flops = gpu_bench.prefill_flops(config, 10)
+    # q and o 64 x 64, k and v 64 x 32, the MLP 3 x 64 x 128: a layer's weights, 2 per token.
+    assert flops["linear"] == 2 * 10 * 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
+    # Scores and their product with the values: 55 query-key pairs, 4 heads of 16.
+    assert flops["attention"] == 2 * 2 * 2 * 4 * 16 * 55
+
+
+def test_a_failed_request_is_a_result_not_a_crash():
+    """A request with no token (a server that ran out of memory) is reported with its
+    error; only ``strict`` raises."""
+
+    class Refusing:
+        def stream(self, path, body, on_first=None):
+            if body["prompt"] == "bad":
+                return [{"error": "out of memory"}]
+            on_first()
+            return [{"choices": [{"text": "x"}]}, {"usage": {"prompt_tokens": 1}}]
+
+    _, results = gpu_bench.stream_all(Refusing(), ["good", "bad"], 2, strict=False)
+    assert "usage" in results[0] and results[1]["error"] == "out of memory"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gpu_bench.stream_all(Refusing(), ["good", "bad"], 2)
 
 
 @pytest.mark.slow
@@ -234,9 +274,9 @@ def test_two_ranks_under_mlx_launch_serve_both_and_the_plugin_hits(tmp_path, mon
     (shape,) = report["shapes"]
     assert "error" not in shape
 
-    # Each server ran under mlx.launch (side by side, then alone for decode-shared), and each
-    # rank of the plugin's built its own pool.
-    assert len(logs["stock"]) == len(logs["radix"]) == 2
+    # Each server ran under mlx.launch (side by side, then alone for the burst and for
+    # decode-shared), and each rank of the plugin's built its own pool.
+    assert len(logs["stock"]) == len(logs["radix"]) == 3
     assert all(log.count("radix KV pool: up to") == 2 for log in logs["radix"])
 
     for b, d in shape["decode"].items():

@@ -311,6 +311,47 @@ def test_a_failed_step_fails_its_batch_and_the_server_goes_on(model_dirs, tmp_pa
     assert "Exception occurred during processing of request" not in log  # no handler died
 
 
+@pytest.mark.parametrize("plugins", [[], ["radix"]])
+def test_an_allocation_failure_in_a_prompt_pass_leaves_the_server_serving(
+    model_dirs, tmp_path, plugins
+):
+    """A prompt pass that fails as MLX's allocator does (out of memory, in the pass's
+    evaluation, its first pass's pages written and the second's K/V staged): the request gets
+    the error, the server answers the next requests as before, and no page stays held."""
+    from boom_plugin import ARMED_PROMPT_MAX_TOKENS, OUT_OF_MEMORY
+
+    port = free_port()
+    script = str(Path(__file__).parent / "boom_plugin.py")
+    cmd = [sys.executable, script, *[",".join(plugins)] * bool(plugins)]
+    cmd += ["--model", str(model_dirs["llama"]), "--port", str(port), "--prefill-step-size", "32"]
+    env = server_env(tmp_path)
+    env["PYTHONPATH"] += ":" + str(Path(__file__).parent)
+    greedy = {"temperature": 0.0, "logit_bias": NO_EOS}
+    story = "Once upon a time, in a quiet town by the sea, there lived an old keeper. " * 3
+    with Server(cmd, env, port, tmp_path / "log") as server:
+        ok = {"prompt": story + "Where is Paris?", "max_tokens": 8, **greedy}
+        before = server.post("/v1/completions", ok)["choices"][0]["text"]
+        # Nothing of it cached: its prompt takes several passes of 32 tokens.
+        armed = {"prompt": "Tell me more. " + story * 2, "max_tokens": ARMED_PROMPT_MAX_TOKENS}
+        with pytest.raises(RuntimeError, match="503 .*out of memory"):
+            server.post("/v1/completions", {**armed, **greedy})
+        events = server.stream("/v1/completions", {**armed, **greedy})
+        assert OUT_OF_MEMORY in events[-1]["error"]
+        assert server.get("/health")[0] == 200
+        assert server.post("/v1/completions", ok)["choices"][0]["text"] == before
+        other = {"prompt": "A different prompt, with nothing cached.", "max_tokens": 8, **greedy}
+        assert server.post("/v1/completions", other)["choices"][0]["text"]
+        if plugins:
+            stats = json.loads(server.get("/v1/cache/stats")[1])
+            assert stats["fallback"] is None
+            assert stats["pages_locked"] == stats["requests_holding_pages"] == 0, stats
+            # Every page is free or in the tree: none leaked with the failed requests.
+            assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
+        log = server.output()
+    assert log.count("a generation step failed") == 2
+    assert "Exception occurred during processing of request" not in log
+
+
 def test_a_route_served_by_two_plugins_is_one_route_and_a_clash_is_refused():
     from mlx_lm_hooks.routes import RouteResponse, RouteTable
 

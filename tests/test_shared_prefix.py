@@ -46,9 +46,9 @@ class Recorder:
         return record
 
 
-def stock_run(model, tok, prompts, max_tokens):
+def stock_run(model, tok, prompts, max_tokens, **kwargs):
     rec = Recorder(tok.eos_token_ids)
-    gen = BatchGenerator(model, completion_batch_size=16, prefill_batch_size=8)
+    gen = BatchGenerator(model, completion_batch_size=16, prefill_batch_size=8, **kwargs)
     uids = gen.insert_segments(
         [[p] for p in prompts],
         max_tokens=max_tokens,

@@ -167,8 +167,14 @@ class PagedBatchKVCache:
         if budget is None or not longest:
             return None
         columns = max(self._capacity, self._idx + longest)
-        fixed = self._layer_bytes(0, columns)
-        step = (budget - fixed) // (self._layer_bytes(1, columns) - fixed)
+        pool, rows = self.rows.pool, len(self.rows.tables)
+        if pool.prefill_attention != "off" and pool.attention_bytes is not None:
+            # Attention within its share whatever the queries: they cost their tokens only.
+            fixed = self._layer_bytes(0, columns) + pool.attention_bytes
+            step = (budget - fixed) // max(1, rows * pool.prefill_token_bytes)
+        else:
+            fixed = self._layer_bytes(0, columns)
+            step = (budget - fixed) // (self._layer_bytes(1, columns) - fixed)
         if step >= longest:
             return None
         return max(MIN_QUERY_STEP, step)
@@ -189,6 +195,9 @@ class PagedBatchKVCache:
         heads = pool.query_heads or spec.kv_heads
         laid_out = rows * self._capacity * spec.bytes_per_token(pool.dtype)
         scores = 2 * rows * heads * queries * columns * 4
+        if pool.prefill_attention != "off" and pool.attention_bytes is not None:
+            # Attention in blocks within its share (engine/prompt_attention.py).
+            scores = min(scores, pool.attention_bytes)
         return 2 * laid_out + scores + rows * queries * pool.prefill_token_bytes
 
     def _context(self, width: int) -> tuple[mx.array, mx.array]:

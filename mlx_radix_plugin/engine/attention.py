@@ -37,6 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
+from ..cache.batch import PoolBatchKVCache
 from ..cache.grouped_prefill import GroupedPass
 from ..cache.offset import OffsetCache
 from ..cache.paged_batch import PagedBatchKVCache
@@ -44,6 +45,7 @@ from ..cache.shared_batch import SharedPass, SharedPrefixBatchCache, owner_of
 from ..memory.pool import FlatViews, KVPool
 from ..memory.slots import HeadSlots
 from . import paged_attention
+from .prompt_attention import prompt_attention
 
 # Max |logit - stock's logit| <= FIDELITY_TOLERANCE x max |stock's logit|, float32, at every
 # step; greedy tokens equal. Measured on the test models: 1e-6 to 1e-5 of max |logit|.
@@ -73,6 +75,9 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         return grouped_prefill_attention(queries, keys, values, grouped, context, scale, sinks)
     if _probe is not None:
         _probe.append((cache, keys, mask))
+    if queries.shape[2] > 1 and isinstance(cache, PagedBatchKVCache | PoolBatchKVCache):
+        padding = cache._padding if isinstance(cache, PagedBatchKVCache) else None
+        return prompt_attention(queries, keys, values, cache, scale, mask, sinks, padding)
     return _STOCK(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 

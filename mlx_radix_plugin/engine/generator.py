@@ -101,6 +101,7 @@ class RadixBatchGenerator(BatchGenerator):
         shared_prefix: str = "off",
         prefill_from_pool: str = "auto",
         prefill_shared: str = "off",
+        prefill_attention: str = "auto",
         snapshot_every: int = 64,
         clock: StepClock | None = None,
         **kwargs,
@@ -109,6 +110,7 @@ class RadixBatchGenerator(BatchGenerator):
         ``prefill_from_pool``: ``auto``, ``on`` or ``off`` (engine/prefill_path.py);
         ``prefill_shared``: the same, for rows of a prompt batch reading a prefix they share
         once (cache/grouped_prefill.py);
+        ``prefill_attention``: ``auto`` or ``off`` (engine/prompt_attention.py);
         ``snapshot_every``: pages between a hybrid model's prefill snapshots (0: none);
         ``clock``: where its decode steps' time is counted (the server's, which outlives its
         engines; engine/step_clock.py)."""
@@ -126,6 +128,8 @@ class RadixBatchGenerator(BatchGenerator):
             shared_prefix = "off"
         wants_calls = shared_prefix != "off" or prefill_shared != "off"
         calls = attention.attention_calls(model, radix.pool) if wants_calls else 0
+        if prefill_attention != "off":
+            attention.install(model)  # a prompt pass's attention goes through its call site
         if calls is None and shared_prefix != "off":
             log.info(
                 "shared-prefix decode off: this model attends outside mlx-lm's "
@@ -145,7 +149,9 @@ class RadixBatchGenerator(BatchGenerator):
         # The plan's bound is a float32 one; a pass's activations are in the model's dtype.
         activations = activation_bytes_per_token(model, pool.bytes_per_token)
         activations = activations * pool.dtype.size // 4
-        prefill_path.enable(prefill_from_pool, pool, heads, prefill_shared, calls, activations)
+        prefill_path.enable(
+            prefill_from_pool, pool, heads, prefill_shared, calls, activations, prefill_attention
+        )
         self._prompt_batch = PoolPromptBatch.empty(
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )

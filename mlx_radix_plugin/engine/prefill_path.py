@@ -26,6 +26,7 @@ from ..cache.batch import rows_of
 from ..cache.paged_batch import PagedBatchKVCache
 from ..memory.cache_list import flat, map_parts
 from ..memory.pool import KVPool
+from . import prompt_attention
 
 log = logging.getLogger("mlx_radix")
 
@@ -39,6 +40,7 @@ def enable(
     shared: str = "off",
     attention_calls: int | None = None,
     activation_bytes: int = 0,
+    attention: str = "auto",
 ) -> bool:
     """Set whether ``pool``'s prompt batches read it layer by layer; returns it.
     ``query_heads``: the model's, which size a layer's scores (``PagedBatchKVCache``);
@@ -46,9 +48,16 @@ def enable(
     ``shared``: whether rows sharing a prefix read it once a layer (``prefill.shared_prefix``,
     ``cache/grouped_prefill.py``), which needs every attention call of a forward pass to
     reach the patched call site with its own layer's cache (``attention_calls``, one a
-    layer: a layer attending with another's K/V would get only the pass's new ones)."""
+    layer: a layer attending with another's K/V would get only the pass's new ones).
+    ``attention``: how a prompt pass attends (``prefill.attention``, prompt_attention.py)."""
     if mode not in MODES:
         raise ValueError(f"prefill.from_pool must be one of {', '.join(MODES)}, got {mode!r}")
+    if attention not in prompt_attention.MODES:
+        raise ValueError(
+            f"prefill.attention must be one of {', '.join(prompt_attention.MODES)}, "
+            f"got {attention!r}"
+        )
+    pool.prefill_attention = attention
     if shared not in MODES:
         raise ValueError(f"prefill.shared_prefix must be one of {', '.join(MODES)}, got {shared!r}")
     windowed = any(spec.window is not None for spec in pool.specs)

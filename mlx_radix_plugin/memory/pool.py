@@ -271,6 +271,10 @@ class KVPool:
         # layer's scores have (engine/prefill_path.py). None: no bound.
         self.prefill_working_bytes: int | None = None
         self.query_heads: int | None = None
+        # How a prompt pass attends (``prefill.attention``: engine/prompt_attention.py) and
+        # what one layer's attention may hold in scores (None: no bound).
+        self.prefill_attention = "auto"
+        self.attention_bytes: int | None = None
         # What each token of a prompt pass holds besides a layer's context and scores: its
         # activations through the layer and every layer's staged K/V (engine/prefill_path.py).
         self.prefill_token_bytes = 0
@@ -338,6 +342,9 @@ class KVPool:
         # The plan's reserve for K/V outside the pool, which a prefill reading the pool holds
         # no buffers in: its temporaries' bound.
         pool.prefill_working_bytes = reserve
+        # Half of it for a layer's attention scores: the other half holds the layer's
+        # gathered context, its activations and the pass's staged K/V.
+        pool.attention_bytes = reserve // 2
         pool.layout, pool.cache_shape = layout, shape_of(caches)
         pool.state_sizes = state_sizes
         pool.snapshot_budget = (snapshot_bytes or 0) if state_sizes else 0
@@ -366,6 +373,7 @@ class KVPool:
         pool.plan, pool.layout, pool.state_sizes = self.plan, self.layout, self.state_sizes
         pool.cache_shape = self.cache_shape
         pool.prefill_working_bytes = self.prefill_working_bytes
+        pool.attention_bytes = self.attention_bytes
         pool.snapshot_row_bytes, pool.snapshot_budget = each, snapshots * each
         return pool
 

@@ -157,6 +157,7 @@ class RadixPlugin:
                 shared_prefix=self.config["decode.shared_prefix"],
                 prefill_from_pool=self.config["prefill.from_pool"],
                 prefill_shared=self.config["prefill.shared_prefix"],
+                prefill_attention=self.config["prefill.attention"],
                 snapshot_every=self.config["radix.snapshot_every"],
                 clock=self.step_clock,
                 **capped,

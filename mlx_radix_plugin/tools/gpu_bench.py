@@ -52,7 +52,7 @@ from .decode_calibration import parse_grid
 
 DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
 SERVERS = ("stock", "radix")
-WORKLOADS = ("decode", "decode-shared", "cached-prefix", "burst", "agent")
+WORKLOADS = ("decode", "decode-shared", "cached-prefix", "burst", "agent", "long")
 
 
 def progress(message: str) -> None:
@@ -91,6 +91,39 @@ def copy_bandwidth(nbytes: int, iters: int = 10) -> float:
     del x
     mx.clear_cache()
     return rate
+
+
+def matmul_rate(dtype: str = "bfloat16") -> float:
+    """FLOP/s of an ``n x n`` by ``n x n`` product in ``dtype`` on the default device (n 8,192
+    on a GPU, 1,024 on a CPU): the rate a prompt's linear and attention work is set against."""
+    n, iters = (8192, 10) if mx.default_device() == mx.gpu else (1024, 2)
+    a = mx.random.normal((n, n)).astype(getattr(mx, dtype))
+    b = mx.random.normal((n, n)).astype(getattr(mx, dtype))
+    mx.eval(a, b, a @ b)
+    mx.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        mx.eval(a @ b)
+    mx.synchronize()
+    rate = 2 * n**3 * iters / (time.perf_counter() - start)
+    del a, b
+    mx.clear_cache()
+    return rate
+
+
+def prefill_flops(config: dict, tokens: int) -> dict[str, int]:
+    """A prompt's multiply-adds, x2: its tokens through every layer's projections and MLP
+    (``linear``), and causal attention, each query over the keys up to it (``attention``)."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads", heads)
+    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim
+    per_layer += 3 * hidden * config["intermediate_size"]
+    return {
+        "linear": 2 * tokens * layers * per_layer,
+        "attention": 2 * 2 * layers * heads * head_dim * tokens * (tokens + 1) // 2,
+    }
 
 
 def safetensors_bytes(path: Path) -> dict[str, int]:
@@ -150,14 +183,21 @@ LOGIT_BIAS: dict = {}
 
 
 def stream_all(
-    server: ServerProcess, prompts: list[str], max_tokens: int
+    server: ServerProcess, prompts: list[str], max_tokens: int, strict: bool = True
 ) -> tuple[float, list[dict]]:
     """Send ``prompts`` at once, streamed; (wall seconds, per request: ttft, seconds, usage,
-    text). ``seconds`` runs from the first token to the end of the stream."""
+    text, or ``error``). ``seconds`` runs from the first token to the end of the stream. A
+    failed request raises where ``strict``; else it is returned with its ``error``."""
     start = time.perf_counter()
     out: list[dict] = [{} for _ in prompts]
 
     def one(i: int) -> None:
+        try:
+            request(i)
+        except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+            out[i]["error"] = f"{type(e).__name__}: {e}"[:300]
+
+    def request(i: int) -> None:
         def first() -> None:
             out[i]["ttft"] = time.perf_counter() - start
 
@@ -181,6 +221,10 @@ def stream_all(
                     raise
                 out[i]["retries"] += 1
                 time.sleep(0.05)
+        failed = next((e["error"] for e in events if e.get("error")), None)
+        if failed is not None or "ttft" not in out[i]:
+            out[i]["error"] = str(failed or "the stream ended with no token")[:300]
+            return
         out[i]["seconds"] = time.perf_counter() - start - out[i]["ttft"]
         out[i]["text"] = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
         out[i]["usage"] = next(e["usage"] for e in reversed(events) if e.get("usage"))
@@ -190,8 +234,9 @@ def stream_all(
         t.start()
     for t in threads:
         t.join()
-    if any("usage" not in r for r in out):
-        raise RuntimeError("a request failed; see the server's log")
+    if strict and any("usage" not in r for r in out):
+        errors = sorted({r.get("error", "no usage") for r in out if "usage" not in r})
+        raise RuntimeError(f"a request failed ({'; '.join(errors)}); see the server's log")
     return time.perf_counter() - start, out
 
 
@@ -537,51 +582,86 @@ def measure_cached_prefix(servers: dict, args, rng_seed: int) -> dict:
     return out
 
 
-def measure_burst(servers: dict, args, rng_seed: int) -> dict:
+def measure_burst(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
     """``args.burst`` requests on one new prefix, sent at once, ``args.burst_rounds`` times,
     each round on a prefix of its own. The first round is the first burst since the server
-    started (its new shapes' first use included); the figures are the later rounds' medians."""
+    started (its new shapes' first use included); the figures are the later rounds' medians.
+
+    Each server is started alone on the device: on an H100 (80 GB, Llama-3.1-8B shape) stock's
+    burst beside the plugin's server ran out of memory and, its process still holding the
+    memory, the plugin's then did too."""
     out = {}
-    for name in servers:
+    for name in SERVERS:
         rounds = []
-        with alone(servers, name) as server:
-            before = _prefill_passes(server) if name == "radix" else None
-            for round_ in range(args.burst_rounds):
-                rng = Requests(rng_seed + round_, args.vocab)
-                prefix = _ids(rng, args.burst_prefix)
-                prompts = [_prompt(rng, args.question, prefix) for _ in range(args.burst)]
-                spy = _spy_path(args, f"{name}-burst") if round_ == 1 else None
-                with py_spy(server, spy):
-                    wall, results = stream_all(server, prompts, 8)
-                rounds.append(
-                    {
-                        **_ttft_summary([r["ttft"] for r in results]),
-                        "wall_s": round(wall, 3),
-                        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in results),
-                        "prompt_tokens_computed": sum(_computed(r["usage"]) for r in results),
-                        "connection_retries": sum(r["retries"] for r in results),
-                    }
-                )
-            # How the followers' prompt passes read the pool, over all rounds.
-            passes = _prefill_passes(server, before) if before is not None else None
-        later = rounds[1:] or rounds
+        device = DeviceMemoryPeak(args.ranks)
+        device.start()
+        try:
+            rounds = _burst_rounds(name, model_dir, work, args, rng_seed)
+        except Exception as e:  # noqa: BLE001 - the server's failure is the result
+            rounds = [{"failed": args.burst, "errors": [f"{type(e).__name__}: {e}"[:300]]}]
+        peak = device.stop()
+        passes = rounds.pop() if rounds and "prefill_passes" in rounds[-1] else {}
+        served = [r for r in rounds if "ttft_mean_s" in r]
+        failed = sum(r["failed"] for r in rounds)
+        if not served:
+            out[name] = {"failed": failed, "errors": rounds[-1]["errors"] if rounds else []}
+            out[name]["device_memory_peak_bytes"] = peak
+            continue
+        later = served[1:] or served
         out[name] = {
             **{
                 key: round(statistics.median(r[key] for r in later), 4)
                 for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "wall_s")
             },
-            "first_ttft_mean_s": rounds[0]["ttft_mean_s"],
-            "ttft_mean_s_by_round": [r["ttft_mean_s"] for r in rounds],
-            "prompt_tokens": rounds[-1]["prompt_tokens"],
-            "prompt_tokens_computed": rounds[-1]["prompt_tokens_computed"],
-            "connection_retries": sum(r["connection_retries"] for r in rounds),
-            **({"prefill_passes": passes} if name == "radix" else {}),
+            "failed": failed,
+            "first_ttft_mean_s": served[0]["ttft_mean_s"],
+            "ttft_mean_s_by_round": [r["ttft_mean_s"] for r in served],
+            "prompt_tokens": served[-1]["prompt_tokens"],
+            "prompt_tokens_computed": served[-1]["prompt_tokens_computed"],
+            "connection_retries": sum(r["connection_retries"] for r in served),
+            "device_memory_peak_bytes": peak,
+            **passes,
         }
-    out["speedup"] = round(out["stock"]["ttft_mean_s"] / out["radix"]["ttft_mean_s"], 3)
+    if all("ttft_mean_s" in out[name] for name in SERVERS):
+        out["speedup"] = round(out["stock"]["ttft_mean_s"] / out["radix"]["ttft_mean_s"], 3)
     out["requests"] = args.burst
     out["shared_prefix"] = args.burst_prefix
     out["rounds"] = args.burst_rounds
     return out
+
+
+def _burst_rounds(name: str, model_dir: Path, work: Path, args, rng_seed: int) -> list[dict]:
+    """The rounds of ``measure_burst`` on server ``name``, started for them; for the plugin,
+    last, how its followers' prompt passes read the pool over all rounds."""
+    rounds: list[dict] = []
+    with started(name, model_dir, work, args) as server:
+        before = _prefill_passes(server) if name == "radix" else None
+        for round_ in range(args.burst_rounds):
+            rng = Requests(rng_seed + round_, args.vocab)
+            prefix = _ids(rng, args.burst_prefix)
+            prompts = [_prompt(rng, args.question, prefix) for _ in range(args.burst)]
+            spy = _spy_path(args, f"{name}-burst") if round_ == 1 else None
+            with py_spy(server, spy):
+                wall, results = stream_all(server, prompts, 8, strict=False)
+            failed = [r["error"] for r in results if "usage" not in r]
+            results = [r for r in results if "usage" in r]
+            if not results:
+                rounds.append({"failed": len(failed), "errors": sorted(set(failed))})
+                break  # the server is down or refuses all: nothing more to time
+            rounds.append(
+                {
+                    **_ttft_summary([r["ttft"] for r in results]),
+                    "failed": len(failed),
+                    "wall_s": round(wall, 3),
+                    "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in results),
+                    "prompt_tokens_computed": sum(_computed(r["usage"]) for r in results),
+                    "connection_retries": sum(r["retries"] for r in results),
+                }
+            )
+        # How the followers' prompt passes read the pool, over all rounds.
+        if before is not None:
+            rounds.append({"prefill_passes": _prefill_passes(server, before)})
+    return rounds
 
 
 def _prefill_passes(server: ServerProcess, since: dict | None = None) -> dict:
@@ -673,6 +753,65 @@ def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
     return out
 
 
+def measure_long(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
+    """Single prompts of ``args.long_prompts`` tokens (each a new prompt, up to the model's
+    context), one after another, each server alone on the device: served or the error,
+    TTFT, the device's peak memory during each, and for the plugin its memory plan and the
+    largest prompt pass's working memory. TTFT is set against the prompt's FLOP time at the
+    device's measured matrix rate (``matmul_rate``). A server that fails a prompt is
+    started again for the next."""
+    config = json.loads((model_dir / "config.json").read_text())
+    context = config.get("max_position_embeddings") or max(args.long_prompts)
+    out: dict = {"matmul_tflop_s": round(args.matmul_rate / 1e12, 1), "prompts": {}}
+    points = {}
+    for n in args.long_prompts:
+        tokens = min(n, context - 16)
+        flops = prefill_flops(config, tokens)
+        points[tokens] = {
+            "tokens": tokens,
+            **{f"{k}_pflop": round(v / 1e15, 3) for k, v in flops.items()},
+            "flop_time_s": sum(flops.values()) / args.matmul_rate,
+        }
+    for name in SERVERS:
+        with contextlib.ExitStack() as stack:
+            server = None
+            for tokens, point in points.items():
+                device = DeviceMemoryPeak(args.ranks)
+                device.start()
+                result: dict = {}
+                try:
+                    if server is None:
+                        server = stack.enter_context(started(name, model_dir, work, args))
+                    rng = Requests(rng_seed + tokens, args.vocab)
+                    _, (r,) = stream_all(server, [_prompt(rng, tokens)], 4, strict=False)
+                    if "usage" in r:
+                        result = {
+                            "ttft_s": round(r["ttft"], 3),
+                            "prompt_tokens": r["usage"]["prompt_tokens"],
+                            "over_flop_time": round(r["ttft"] / point["flop_time_s"], 2),
+                        }
+                    else:
+                        result = {"error": r["error"]}
+                    st = server.stats() if name == "radix" else None
+                    if st:
+                        keys = ("memory_plan", "pool_bytes_total", "mlx_peak_bytes")
+                        keys += ("working_peak_prefill_bytes", "working_peak_prefill_pass")
+                        result.update({k: st[k] for k in keys})
+                except Exception as e:  # noqa: BLE001 - the server's failure is the result
+                    result.setdefault("error", f"{type(e).__name__}: {e}"[:300])
+                result["device_memory_peak_bytes"] = device.stop()
+                if "error" in result and server is not None:
+                    # Started again for the next prompt: a dead server answers nothing.
+                    stack.close()
+                    server = None
+                point[name] = result
+                progress(f"long prompt of {tokens}: {name} {json.dumps(result)[:400]}")
+    for point in points.values():
+        point["flop_time_s"] = round(point["flop_time_s"], 4)
+    out["prompts"] = {str(t): p for t, p in points.items()}
+    return out
+
+
 @contextlib.contextmanager
 def started(name: str, model_dir: Path, work: Path, args):
     """Server ``name`` (stock or radix) up on ``model_dir`` and warmed up; under mlx.launch
@@ -753,7 +892,7 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     report["in_process_ms_per_token"] = round(
         in_process_ms_per_token(model_dir, args.decode_prompt, args.max_tokens), 3
     )
-    side = [w for w in args.workload if w not in ("decode-shared", "agent")]
+    side = [w for w in args.workload if w not in ("decode-shared", "agent", "burst", "long")]
     if side:
         progress(f"{shape}: built in {report['build_s']} s; starting both servers")
         with side_by_side(model_dir, work, args) as servers:
@@ -772,6 +911,12 @@ def bench_shape(shape: str, args, work: Path) -> dict:
                 model_dir, work, args, rows, prefix, args.seed + 13 + rows + prefix
             )
             progress(f"{shape}: {json.dumps(point)}")
+    if "burst" in args.workload:
+        progress(f"{shape}: burst, each server alone")
+        report["burst"] = measure_burst(model_dir, work, args, args.seed + 11)
+    if "long" in args.workload:
+        progress(f"{shape}: long prompts, each server alone")
+        report["long"] = measure_long(model_dir, work, args, args.seed + 19)
     if "agent" in args.workload:
         progress(f"{shape}: agent loop, each server alone")
         report["agent"] = measure_agent(model_dir, work, args, args.seed + 17)
@@ -808,9 +953,6 @@ def _side_by_side_workloads(shape: str, servers: dict, args, report: dict) -> No
     if "cached-prefix" in args.workload:
         progress(f"{shape}: TTFT on a cached prefix")
         report["cached_prefix"] = measure_cached_prefix(servers, args, args.seed + 7)
-    if "burst" in args.workload:
-        progress(f"{shape}: burst")
-        report["burst"] = measure_burst(servers, args, args.seed + 11)
     report["radix_stats"] = servers["radix"].stats()
 
 
@@ -861,18 +1003,41 @@ def markdown(report: dict) -> str:
         if "burst" in s:
             b = s["burst"]
             burst = f"burst of {b['requests']} on a new {b['shared_prefix']}-token prefix"
+
+            def cell(k: str, fmt, b=b) -> str:  # a server whose every request failed says so
+                if "ttft_mean_s" not in b[k]:
+                    return f"{b[k]['failed']} failed"
+                return fmt(b[k]) + (f" ({b[k]['failed']} failed)" if b[k].get("failed") else "")
+
             stock, radix = (
-                f"{_ms(b[k]['ttft_mean_s'])} / {_ms(b[k]['ttft_p95_s'])}" for k in SERVERS
+                cell(k, lambda r: f"{_ms(r['ttft_mean_s'])} / {_ms(r['ttft_p95_s'])}")
+                for k in SERVERS
             )
-            row(name, f"{burst}: TTFT mean / p95", stock, radix, f"{b['speedup']:.2f}x")
-            stock, radix = (_ms(b[k]["first_ttft_mean_s"]) for k in SERVERS)
+            ratio = f"{b['speedup']:.2f}x" if "speedup" in b else ""
+            row(name, f"{burst}: TTFT mean / p95", stock, radix, ratio)
+            stock, radix = (cell(k, lambda r: _ms(r["first_ttft_mean_s"])) for k in SERVERS)
             row(name, f"{burst}: the first burst's TTFT mean", stock, radix)
-            stock, radix = (f"{b[k]['prompt_tokens_computed']:,}" for k in SERVERS)
+            stock, radix = (cell(k, lambda r: f"{r['prompt_tokens_computed']:,}") for k in SERVERS)
             row(name, f"{burst}: prompt tokens computed", stock, radix)
             passes = b["radix"].get("prefill_passes")
+            peaks = [b[k].get("device_memory_peak_bytes") for k in SERVERS]
+            if None not in peaks:
+                row(name, f"{burst}: device memory peak", *(f"{p / 1e9:.1f} GB" for p in peaks))
             if passes:
                 read = f"{passes['grouped']} grouped, {passes['per_row']} per row"
                 row(name, f"{burst}: the plugin's prompt passes", "", read)
+        for tokens, point in s.get("long", {}).get("prompts", {}).items():
+            cells = [
+                point[k]["error"][:60]
+                if "error" in point[k]
+                else f"{point[k]['ttft_s']:.2f} s ({point[k]['over_flop_time']:.2f}x FLOP time)"
+                for k in SERVERS
+            ]
+            row(name, f"a {int(tokens):,}-token prompt: TTFT", *cells)
+            peaks = [point[k]["device_memory_peak_bytes"] for k in SERVERS]
+            if None not in peaks:
+                row(name, f"a {int(tokens):,}-token prompt: device memory peak",
+                    *(f"{p / 1e9:.1f} GB" for p in peaks))  # fmt: skip
         if "agent" in s:
             a = s["agent"]
             loop = (
@@ -1027,6 +1192,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--agent-turn", type=int, default=512, help="agent: tokens a tool result")
     p.add_argument("--agent-max-tokens", type=int, default=64, help="agent: tokens a reply")
     p.add_argument(
+        "--long-prompts",
+        type=_positive_ints,
+        default=[32768, 65536, 131072],
+        help="long: prompt tokens, each a prompt of its own (at most the model's context)",
+    )
+    p.add_argument(
         "--logit-bias",
         action="store_true",
         help="every request bans EOS with a logit bias (a logits processor a row)",
@@ -1092,6 +1263,7 @@ def main(argv: list[str] | None = None) -> int:
     global LOGIT_BIAS
     LOGIT_BIAS = NO_EOS if args.logit_bias else {}
     args.bandwidth = copy_bandwidth(args.bandwidth_mib << 20)
+    args.matmul_rate = matmul_rate(args.dtype) if "long" in args.workload else None
     args.utilization = GpuUtilization()  # sampled for the whole run where nvidia-smi answers
     args.utilization.start()
     if args.py_spy:
