@@ -15,7 +15,8 @@ With ``auto``:
   padding is known on the host) attends with the causal mask, each padded row on its own
   columns: nothing as large as the scores is held;
 - elsewhere, where a layer's scores (``SCORE_BYTES`` a query, key and head) would pass
-  ``KVPool.attention_bytes``, the queries are split into blocks that fit, each block over
+  ``KVPool.attention_bytes`` (half the prefill reserve, at least ``ATTENTION_MIN_BYTES``:
+  memory/budget.py), the queries are split into blocks that fit, each block over
   the keys it can see (the causal mask hides the rest); where even ``MIN_QUERY_BLOCK``
   queries over those keys would not fit, the keys are split too, with an online softmax
   (``_flash``).

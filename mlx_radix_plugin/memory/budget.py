@@ -78,6 +78,12 @@ MIN_MARGIN_BYTES = 512 << 20
 # Context a row of the exact decode path holds in mlx-lm's batch buffer, in the estimate
 # of working memory: a chat-sized context for every row of a full batch.
 WORKING_CONTEXT_TOKENS = 2048
+# The least a prompt pass's attention may hold in a layer's scores (half the prefill reserve
+# where that is more: an 8B model's 4.3 GB). A small model's reserve is small, and blocks of a
+# few queries run at a fraction of the kernels' rate: on 2 CPU cores (tiny-long, the bench's
+# agent workload, two sessions on a 24,000-token prompt) the first turns' prefill took 37.9 s
+# and the run 69.4 s with the reserve's half, 16.7 MB; 21.1 s and 39.6 s with this floor.
+ATTENTION_MIN_BYTES = 256 << 20
 # What a pool gets when the plan leaves no room: a system prompt's worth, so the radix
 # path still serves (and says so) instead of falling back to stock.
 MIN_POOL_TOKENS = 2048
@@ -102,6 +108,12 @@ def buffer_reserve_bytes(kv_bytes_per_token: int, max_batch_size: int) -> int:
     return max_batch_size * WORKING_CONTEXT_TOKENS * kv_bytes_per_token
 
 
+def attention_bytes(kv_bytes_per_token: int, max_batch_size: int) -> int:
+    """What one layer's attention may hold in scores in a prompt pass: half the buffer
+    reserve (a pass over the pool holds no buffers), at least ``ATTENTION_MIN_BYTES``."""
+    return max(buffer_reserve_bytes(kv_bytes_per_token, max_batch_size) // 2, ATTENTION_MIN_BYTES)
+
+
 def working_bytes(
     model: object,
     kv_bytes_per_token: int,
@@ -109,14 +121,16 @@ def working_bytes(
     prefill_step_size: int,
     recurrent_row_bytes: int = 0,
 ) -> int:
-    """The batches' working memory: the batch buffers (``buffer_reserve_bytes``), a prefill
-    chunk's activations and a decode step's (logits included), and a hybrid model's
+    """The batches' working memory: the batch buffers (``buffer_reserve_bytes``), of which a
+    prompt pass's attention takes half, and more where its floor is more (``attention_bytes``),
+    a prefill chunk's activations and a decode step's (logits included), and a hybrid model's
     recurrent states, ``recurrent_row_bytes`` a row: mlx-lm's batch caches hold one a row,
     and a step makes each row's next state while the last is still held, so two a row."""
     act = activation_bytes_per_token(model, kv_bytes_per_token)
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     logits = 4 * vocab if isinstance(vocab, int) else 0
     buffers = buffer_reserve_bytes(kv_bytes_per_token, max_batch_size)
+    buffers += attention_bytes(kv_bytes_per_token, max_batch_size) - buffers // 2
     states = 2 * max_batch_size * recurrent_row_bytes
     return buffers + prefill_step_size * act + max_batch_size * (act + logits) + states
 

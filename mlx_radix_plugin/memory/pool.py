@@ -49,6 +49,7 @@ from .allocator import PageAllocator
 from .budget import (
     DeviceMemory,
     MemoryPlan,
+    attention_bytes,
     buffer_reserve_bytes,
     chunk_bytes_for,
     device_memory,
@@ -340,11 +341,11 @@ class KVPool:
         pool = cls(specs, pages // chunks * chunks, page_size, dtype, chunk_pages=pages // chunks)
         pool.plan = plan
         # The plan's reserve for K/V outside the pool, which a prefill reading the pool holds
-        # no buffers in: its temporaries' bound.
-        pool.prefill_working_bytes = reserve
-        # Half of it for a layer's attention scores: the other half holds the layer's
-        # gathered context, its activations and the pass's staged K/V.
-        pool.attention_bytes = reserve // 2
+        # no buffers in, is its temporaries' bound: of it, ``attention_bytes`` for a layer's
+        # attention scores (engine/prompt_attention.py), more where its floor is more; the
+        # rest holds the layer's gathered context, its activations and the pass's staged K/V.
+        pool.attention_bytes = attention_bytes(per_token, max_batch_size)
+        pool.prefill_working_bytes = reserve + pool.attention_bytes - reserve // 2
         pool.layout, pool.cache_shape = layout, shape_of(caches)
         pool.state_sizes = state_sizes
         pool.snapshot_budget = (snapshot_bytes or 0) if state_sizes else 0
