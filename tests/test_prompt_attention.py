@@ -8,10 +8,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.models.base import create_causal_mask
-from test_generation import no_eos
+from test_generation import KEY, no_eos
 from test_shared_prefix import admit, decode, stock_run
 from tiny_models import build_model
 
+from mlx_radix_plugin.cache.paged_batch import PagedBatchKVCache
 from mlx_radix_plugin.cache.prompt_cache import RadixPromptCache
 from mlx_radix_plugin.engine import prompt_attention
 from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
@@ -103,6 +104,26 @@ def test_the_causal_kernels_rows_each_over_their_own_columns(monkeypatch, paddin
     stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
     out = prompt_attention.prompt_attention(q, k, v, _Cache(), 0.2, mask, padding=padding)
     assert mx.abs(out - stock).max().item() <= FIDELITY_TOLERANCE * mx.abs(stock).max().item()
+
+
+def test_only_the_passs_own_causal_mask_gives_way_to_the_causal_kernel(loaded, monkeypatch):
+    """A pass over the pool hands its rows' padding to the causal kernel only with the mask
+    its cache made; a mask with a window, or one the model made itself, keeps the call."""
+    from mlx_radix_plugin.engine import attention
+
+    seen = []
+    monkeypatch.setattr(attention, "prompt_attention", lambda *a: seen.append(a[-1]))
+    model, tok = loaded("llama")
+    pool = KVPool.for_model(model, page_size=16, pool_tokens=1024)
+    caches, _ = RadixPromptCache(pool).fetch_nearest_cache(KEY, tok.encode("Once upon a time"))
+    layer = PagedBatchKVCache.from_pool_caches([caches[0]])
+    mask = layer.make_mask(3)
+    q, kv = mx.zeros((1, 4, 3, 16)), mx.zeros((1, 2, 3, 16))
+    attention.scaled_dot_product_attention(q, kv, kv, layer, 1.0, mask)
+    attention.scaled_dot_product_attention(q, kv, kv, layer, 1.0, mask | True)
+    layer.make_mask(3, window_size=2)
+    attention.scaled_dot_product_attention(q, kv, kv, layer, 1.0, mask)
+    assert seen == [layer._padding, None, None]
 
 
 @pytest.fixture(scope="module")

@@ -145,6 +145,7 @@ class BatchRows:
         self.shared = None
         self.shared_pass = None
         self.grouped_pass = None  # a prompt pass whose rows share a prefix (grouped_prefill.py)
+        self.causal_mask = None  # the last plain causal mask a paged prompt pass made
         self.version = 0  # bumped when rows join or leave
 
     def aligned_slots(self, lengths: list[int], width: int) -> Slots:

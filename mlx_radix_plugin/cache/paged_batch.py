@@ -251,7 +251,11 @@ class PagedBatchKVCache:
         self.left_padding = mx.array(padding, dtype=mx.int32)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        # The pass's plain causal mask (no window), which a causal kernel may take the place
+        # of (engine/prompt_attention.py); a mask the model makes itself is not this one.
+        self.rows.causal_mask = None if kwargs.get("window_size") else mask
+        return mask
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None:

@@ -76,7 +76,9 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     if _probe is not None:
         _probe.append((cache, keys, mask))
     if queries.shape[2] > 1 and isinstance(cache, PagedBatchKVCache | PoolBatchKVCache):
-        padding = cache._padding if isinstance(cache, PagedBatchKVCache) else None
+        # Rows' left padding, where the mask is the pass's own causal one (paged_batch.py).
+        own = isinstance(cache, PagedBatchKVCache) and mask is cache.rows.causal_mask
+        padding = cache._padding if own else None
         return prompt_attention(queries, keys, values, cache, scale, mask, sinks, padding)
     return _STOCK(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
