@@ -168,9 +168,9 @@ class PagedBatchKVCache:
             return None
         columns = max(self._capacity, self._idx + longest)
         pool, rows = self.rows.pool, len(self.rows.tables)
-        if pool.prefill_attention != "off" and pool.attention_bytes is not None:
+        if pool.attention_bound is not None:
             # Attention within its share whatever the queries: they cost their tokens only.
-            fixed = self._layer_bytes(0, columns) + pool.attention_bytes
+            fixed = self._layer_bytes(0, columns) + pool.attention_bound
             step = (budget - fixed) // max(1, rows * pool.prefill_token_bytes)
         else:
             fixed = self._layer_bytes(0, columns)
@@ -195,9 +195,9 @@ class PagedBatchKVCache:
         heads = pool.query_heads or spec.kv_heads
         laid_out = rows * self._capacity * spec.bytes_per_token(pool.dtype)
         scores = 2 * rows * heads * queries * columns * 4
-        if pool.prefill_attention != "off" and pool.attention_bytes is not None:
+        if pool.attention_bound is not None:
             # Attention in blocks within its share (engine/prompt_attention.py).
-            scores = min(scores, pool.attention_bytes)
+            scores = min(scores, pool.attention_bound)
         return 2 * laid_out + scores + rows * queries * pool.prefill_token_bytes
 
     def _context(self, width: int) -> tuple[mx.array, mx.array]:

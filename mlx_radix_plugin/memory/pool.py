@@ -381,6 +381,12 @@ class KVPool:
     # -- accounting --------------------------------------------------------------
 
     @property
+    def attention_bound(self) -> int | None:
+        """What a prompt pass's attention holds at most in a layer's scores, where it is
+        bounded (``prefill.attention`` on and a plan's ``attention_bytes``); else None."""
+        return self.attention_bytes if self.prefill_attention != "off" else None
+
+    @property
     def num_layers(self) -> int:
         return len(self.specs)
 
