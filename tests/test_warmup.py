@@ -7,6 +7,7 @@ from test_server import GREEDY, SYSTEM, hf_cache, start  # noqa: F401 - fixtures
 from tiny_models import ARCHS, HYBRID_ARCHS
 
 from mlx_radix_plugin.engine import attention, warmup
+from mlx_radix_plugin.memory.pool import KVPool
 
 
 @pytest.mark.parametrize("arch", [*ARCHS, *HYBRID_ARCHS])
@@ -27,6 +28,22 @@ def test_the_warm_up_prefills_rows_on_one_prefix_reading_it_once_unless_that_is_
     grouped = [p for p in plans if p is not None]
     assert bool(grouped) == (prefill_shared != "off")
     assert all(p.rows == warmup.ROWS for p in grouped)
+
+
+def test_the_warm_up_reads_pages_within_one_chunk_and_across_chunks(loaded, monkeypatch):
+    """A long prompt's passes come to read pages from two chunks of the pool, whose kernels
+    (parts joined) the warm-up builds at load as well."""
+    spans = []
+    rows = KVPool.rows
+
+    def counted(self, layer, slots):
+        spans.append(len(self._plan(slots).pieces))
+        return rows(self, layer, slots)
+
+    monkeypatch.setattr(KVPool, "rows", counted)
+    model, _ = loaded("llama")
+    warmup.warm_up(model, page_size=4, shared_prefix="auto")
+    assert min(spans) == 1 and max(spans) > 1
 
 
 def test_auto_warms_up_on_a_gpu_only():

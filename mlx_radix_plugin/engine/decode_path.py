@@ -94,6 +94,10 @@ class SharedPrefixRule:
 #   32 rows 12.7 / 9.9; through the server, 32 rows 20.7 / 15.6 (1,312 / 1,696 tokens/s).
 #   So the shared path at every batch size the paged kernel reads (its pages in one chunk of
 #   the pool); across chunks the shared path gathers, and the CUDA rule above holds.
+# - CPU, one row on a long context (SmolLM2-135M float32, 1x8192, 2026-12-06): stock 127.6 ms
+#   a step, exact 152.0, shared 239.5. One copy of the context (the shared path, no buffer)
+#   costs 1.6x the exact path's step there, so the CPU rule keeps a lone row exact, holding
+#   its context twice (pages and buffer). Metal's rule is not measured on Metal.
 _CUDA = SharedPrefixRule(min_saved_tokens=32768, min_saved_fraction=0.5, any_saving_up_to_rows=8)
 RULES = {
     "cpu": SharedPrefixRule(min_saved_tokens=5120, min_saved_fraction=0.5),

@@ -1,13 +1,14 @@
 """A prompt pass's attention within the working set, at any prompt length (``prefill.attention``).
 
-mlx-lm's batch caches hand attention an array mask (left padding), and MLX then computes
-the scores whole: on the CPU its attention is the scores by hand, and on CUDA an array mask
-leaves cuDNN's flash path. Measured on an H100 (one layer of Llama-3.1-8B's shape, bf16,
-2,048 queries over 24,576 keys): 6.46 GB of temporaries and 9.5 ms with the array mask,
-0.02 GB and 1.5 ms as a causal call; over 65,536 keys 17.2 GB and 34 ms against 0.02 GB and
-4 ms. A prompt pass builds every layer before the device runs them, so an 8B model's
-25.6k-token prompt died of ``cudaMallocAsync`` on the 80 GB card, in stock's server as in
-ours (docs/gpu.md).
+mlx-lm's batch caches hand attention an array mask (left padding), and MLX then holds
+arrays as large as the scores: on the CPU its attention is the scores by hand, and on CUDA
+a boolean mask is made an additive one of the scores' shape (queries x keys x query heads,
+from two arrays of that size: ``fast.cpp``) before cuDNN reads it. Measured on an H100 (one
+layer of Llama-3.1-8B's shape, bf16, 2,048 queries over 24,576 keys): 6.46 GB of
+temporaries and 9.5 ms with the array mask, 0.02 GB and 1.5 ms as a causal call; over 65,536
+keys 17.2 GB and 34 ms against 0.02 GB and 4 ms. A prompt pass builds every layer before the
+device runs them, so an 8B model's 25.6k-token prompt died of ``cudaMallocAsync`` on the 80 GB
+card, in stock's server as in ours (docs/gpu.md).
 
 With ``auto``:
 - on CUDA, where cuDNN's flash attention serves the shapes (fp16/bf16, head dims a multiple

@@ -30,6 +30,7 @@ MODES = ("auto", "on", "off")
 KEY = ("warm-up", None, None)
 ROWS = 4  # requests decoding together on the prefix
 OWN = 8  # tokens of each of them after the prefix
+CROSSING_PAGES = 2  # pages a chunk of the second scratch pool holds
 
 
 def enabled(mode: str) -> bool:
@@ -58,9 +59,34 @@ def warm_up(model, page_size: int, shared_prefix: str, prefill_shared: str = "of
     rng = random.Random(0)  # the same tokens on every rank of mlx.launch
     prefix = [rng.randrange(vocab) for _ in range(3 * page_size + 5)]
     own = [[rng.randrange(vocab) for _ in range(OWN)] for _ in range(ROWS + 1)]
+    tokens = (ROWS + 2) * (len(prefix) + OWN + 8 * page_size)
+    pool = KVPool.for_model(model, page_size=page_size, pool_tokens=tokens)
+    _run_paths(model, pool, prefix, own, shared_prefix, prefill_shared)
+    # Again on a pool of CROSSING_PAGES-page chunks, so that every read spans chunks (parts
+    # gathered a chunk at a time and joined; the paged kernel once a chunk): a long
+    # prompt's passes cross into a second chunk too, and on the H100 the first crossing
+    # built kernels for 3.2 s inside one pass of a 65,536-token prompt (docs/gpu.md).
     pool = KVPool.for_model(
-        model, page_size=page_size, pool_tokens=(ROWS + 2) * (len(prefix) + OWN + 8 * page_size)
+        model,
+        page_size=page_size,
+        pool_tokens=tokens,
+        chunk_bytes=CROSSING_PAGES * pool.bytes_per_page,
     )
+    _run_paths(model, pool, prefix, own, shared_prefix, prefill_shared)
+    del pool
+    mx.clear_cache()
+    return time.perf_counter() - start
+
+
+def _run_paths(
+    model,
+    pool: KVPool,
+    prefix: list[int],
+    own: list[list[int]],
+    shared_prefix: str,
+    prefill_shared: str,
+) -> None:
+    """A prompt alone, then rows on its cached prefix on each path, on ``pool``."""
     rpc = RadixPromptCache(pool)
     _serve(RadixBatchGenerator(model, rpc, shared_prefix="off"), rpc, [prefix + own[0]])
     # The shared path computes attention one of several ways (engine/attention.py): each
@@ -79,9 +105,6 @@ def warm_up(model, page_size: int, shared_prefix: str, prefill_shared: str = "of
             _serve(gen, rpc, [prefix + o for o in own[1:]])
     finally:
         attention.VARIANT = None
-    del rpc, pool
-    mx.clear_cache()
-    return time.perf_counter() - start
 
 
 def _serve(gen: RadixBatchGenerator, rpc: RadixPromptCache, prompts: list[list[int]]) -> None:
