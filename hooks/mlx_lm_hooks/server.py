@@ -9,7 +9,10 @@ copied; every stock endpoint keeps working.
 Where stock 0.32.2 breaks under pressure, the versions here hold, for every plugin: an
 empty prompt ends stock's generation thread (``insert_segments`` raises outside any try),
 so it is refused with HTTP 400, as are a prompt longer than the model's context and one
-the tokenizer rejects (stock: 404); ``max_tokens`` is clamped to what the context leaves
+the tokenizer rejects (stock: 404), and sampling no step could run (a ``top_k`` beyond the
+vocabulary, a logit bias on an id the model has not, a NaN temperature, thousands of stop
+sequences: validation.py), which in stock fails the step of every request batched with it;
+``max_tokens`` is clamped to what the context leaves
 after the prompt (stock decodes past it); stock's listen backlog of 5 resets connections when
 more clients connect at once; a client hanging up mid-stream no longer prints a traceback;
 a request that arrives while a batch decodes joins it at the next step, where stock leaves it
@@ -49,6 +52,7 @@ from .routes import RouteRequest, RouteResponse, RouteTable
 from .salt import BadSalt, SaltedPromptCache, parse_salt
 from .sampling import Sampling
 from .tokenizing import MAX_AHEAD, Prefetcher
+from .validation import InvalidSampling, check_sampling, vocab_size
 
 log = logging.getLogger("mlx_lm_hooks")
 
@@ -355,7 +359,12 @@ def _response_generator_class(stock, budget):
                 raise RequestRefused(str(e)) from e
             if not prompt:
                 raise RequestRefused("the prompt is empty: send at least one token of text")
-            limit = context_length(self.model_provider.model)
+            model = self.model_provider.model
+            try:
+                check_sampling(args, vocab_size(model), getattr(request, "param_names", None))
+            except InvalidSampling as e:
+                raise RequestRefused(str(e)) from e
+            limit = context_length(model)
             if limit is not None and len(prompt) > limit:
                 raise RequestRefused(
                     f"the prompt is {len(prompt)} tokens long; this model reads at most "

@@ -43,6 +43,9 @@ class Sampling:
     top_k: int | None = None
     stop: list[str] = field(default_factory=list)
     logit_bias: dict[int, float] | None = None
+    # The API's name for a field where it is not chat completions' (mlx_lm_hooks' check of
+    # what a batch can run names the field the client sent).
+    names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -261,6 +264,7 @@ def start(generator, conversation: Conversation) -> Turn:
     tools = conversation.tools.rendered
     request = CompletionRequest("chat", "", conversation.messages, tools, None)
     request.cache_salt = conversation.salt
+    request.param_names = s.names
 
     def messages_for(tokenizer) -> list[dict]:
         # Called where the prompt is rendered (hooks' tokenization), with its tokenizer.

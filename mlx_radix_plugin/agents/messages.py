@@ -55,6 +55,7 @@ def conversation(
         top_k=f.integer(body, "top_k", 0),
         stop=f.strings(body, "stop_sequences"),
         logit_bias=f.logit_bias(body),
+        names={"stop": "stop_sequences"},
     )
     f.flag(body, "stream", False)
     f.unused(body, UNUSED)

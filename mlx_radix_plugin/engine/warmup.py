@@ -19,6 +19,7 @@ import random
 import time
 
 import mlx.core as mx
+from mlx_lm_hooks.validation import vocab_size
 
 from ..cache.prompt_cache import RadixPromptCache
 from ..memory.pool import KVPool
@@ -41,21 +42,12 @@ def enabled(mode: str) -> bool:
     return mode == "on" or (mode == "auto" and mx.default_device() != mx.cpu)
 
 
-def vocab_size(model) -> int:
-    """Token ids the model embeds, from its config (256 where it does not say)."""
-    args = getattr(model, "args", None)
-    size = getattr(args, "vocab_size", None)
-    if not isinstance(size, int):
-        size = (getattr(args, "text_config", None) or {}).get("vocab_size")
-    return size if isinstance(size, int) and size > 0 else 256
-
-
 def warm_up(model, page_size: int, shared_prefix: str, prefill_shared: str = "off") -> float:
     """Run the engine's paths on a scratch pool; seconds taken. ``prefill_shared``: the
     server's ``prefill.shared_prefix`` (unless ``off``, the requests on the cached prefix
     prefill their suffixes together reading it once)."""
     start = time.perf_counter()
-    vocab = vocab_size(model)
+    vocab = vocab_size(model) or 256  # ids the warm-up's random prompts take
     rng = random.Random(0)  # the same tokens on every rank of mlx.launch
     prefix = [rng.randrange(vocab) for _ in range(3 * page_size + 5)]
     own = [[rng.randrange(vocab) for _ in range(OWN)] for _ in range(ROWS + 1)]
