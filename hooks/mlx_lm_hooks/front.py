@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import subprocess
@@ -314,6 +315,7 @@ class FrontGenerator:
         if isinstance(ctx, BaseException):
             raise ctx
         ctx.stop = partial(self._stop, rid)
+        from .server import _handling, watched
 
         def responses():
             while True:
@@ -328,7 +330,7 @@ class FrontGenerator:
                     continue
                 yield item
 
-        return ctx, responses()
+        return ctx, watched(responses(), getattr(_handling, "connection", None), ctx.stop)
 
     def _stop(self, rid: int) -> None:
         if self._queues.pop(rid, None) is None:
@@ -361,7 +363,7 @@ class FrontGenerator:
 
 
 def _front_handler_class(engine: tuple[str, int]):
-    from .server import _handler_class
+    from .server import HANGUP_CHECK_S, _handler_class, hung_up
 
     base = _handler_class()
 
@@ -388,6 +390,17 @@ def _front_handler_class(engine: tuple[str, int]):
             try:
                 try:
                     upstream.request(method, self.path, body, headers)
+                    # A response not streamed comes whole at its end: until then, a client
+                    # that leaves is noticed here, and closing the engine's connection
+                    # stops its request there (server.watched).
+                    while not select.select([upstream.sock], [], [], HANGUP_CHECK_S)[0]:
+                        if hung_up(self.connection):
+                            self.close_connection = True
+                            log.info(
+                                "client %s hung up before its response began",
+                                self.client_address[0],
+                            )
+                            return
                     answer = upstream.getresponse()
                 except OSError as e:
                     self._send_error(502, f"the server's engine process did not answer: {e}")

@@ -6,24 +6,25 @@ that it looks up at call time (``ModelProvider``, ``LRUPromptCache``,
 call the hooks and otherwise behave exactly as stock. No request handling is
 copied; every stock endpoint keeps working.
 
-Where stock 0.32.2 breaks under pressure, the versions here hold, for every plugin: an
-empty prompt ends stock's generation thread (``insert_segments`` raises outside any try),
-so it is refused with HTTP 400, as are a prompt longer than the model's context and one
-the tokenizer rejects (stock: 404), and sampling no step could run (a ``top_k`` beyond the
-vocabulary, a logit bias on an id the model has not, a NaN temperature, thousands of stop
-sequences: validation.py), which in stock fails the step of every request batched with it;
-``max_tokens`` is clamped to what the context leaves
-after the prompt (stock decodes past it); stock's listen backlog of 5 resets connections when
-more clients connect at once; a client hanging up mid-stream no longer prints a traceback;
-a request that arrives while a batch decodes joins it at the next step, where stock leaves it
+Where stock 0.32.2 breaks under pressure, the versions here hold, for every plugin: an empty
+prompt ends stock's generation thread (``insert_segments`` raises outside any try), so it is
+refused with HTTP 400, as are a prompt longer than the model's context and one the tokenizer
+rejects (stock: 404), and sampling no step could run (a ``top_k`` beyond the vocabulary, a
+logit bias on an id the model has not, a NaN temperature, thousands of stop sequences:
+validation.py), which in stock fails the step of every request batched with it;
+``max_tokens`` is clamped to what the context leaves after the prompt (stock decodes past
+it), and a client that hangs up stops its request, streamed or not (stock's non-streamed
+requests ran on to ``max_tokens``); stock's listen backlog of 5 resets connections when more
+clients connect at once; a client hanging up mid-stream no longer prints a traceback; a
+request that arrives while a batch decodes joins it at the next step, where stock leaves it
 queued until the generation thread's 0.5 s time budget runs out. Requests with the same
 sampling settings share one sampler, and a logit bias is readable (sampling.py), so that a
-batch can sample and bias its rows at once. A step that fails (a CUDA
-out-of-memory error, say) fails the requests of its batch with HTTP 503 or an error event,
-where stock's generation thread dies for good. Requests may carry vLLM's
-``cache_salt`` (salt.py): only requests with the same salt share cached prompts, and a
-``messages_for(tokenizer)`` that renders their chat messages for the tokenizer that
-tokenizes them (the agent APIs place system messages by what the template renders).
+batch can sample and bias its rows at once. A step that fails (a CUDA out-of-memory error,
+say) fails the requests of its batch with HTTP 503 or an error event, where stock's
+generation thread dies for good. Requests may carry vLLM's ``cache_salt`` (salt.py): only
+requests with the same salt share cached prompts, and a ``messages_for(tokenizer)`` that
+renders their chat messages for the tokenizer that tokenizes them (the agent APIs place
+system messages by what the template renders).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import itertools
 import json
 import logging
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -75,6 +78,42 @@ class RequestRefused(ValueError):
 
 class ModelUnavailable(LookupError):
     """The model a request names cannot be loaded; the client gets HTTP 404 (as stock)."""
+
+
+class ClientGone(ConnectionResetError):
+    """The client closed its connection while its request ran: the request stops there."""
+
+
+# How often a request's tokens look at its connection: a client that hung up is noticed
+# within this of its next token, and its row leaves the batch at the next step.
+HANGUP_CHECK_S = 0.25
+# The connection each handler thread serves (ThreadingHTTPServer: a thread a connection).
+_handling = threading.local()
+
+
+def hung_up(connection: socket.socket) -> bool:
+    """Whether the peer has closed ``connection``: it reads as ready with nothing to read.
+    A request's body has been read by then, so nothing else is waiting there."""
+    try:
+        ready, _, _ = select.select([connection], [], [], 0)
+        return bool(ready) and connection.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def watched(responses, connection: socket.socket | None, stop):
+    """``responses`` until the client closes ``connection`` (looked at every
+    ``HANGUP_CHECK_S`` as tokens come): then ``stop()`` and ``ClientGone``. A response that
+    is not streamed writes nothing until its end, so nothing else notices a client that left,
+    and its request ran on to ``max_tokens`` holding its pages."""
+    checked = time.monotonic()
+    for r in responses:
+        yield r
+        if connection is not None and time.monotonic() - checked >= HANGUP_CHECK_S:
+            checked = time.monotonic()
+            if r.finish_reason is None and hung_up(connection):
+                stop()
+                raise ClientGone("the client closed its connection")
 
 
 class GenerationFailed(RuntimeError):
@@ -406,7 +445,8 @@ def _response_generator_class(stock, budget):
 
         def generate(self, request, generation_args, progress_callback=None):
             ctx, responses = super().generate(request, generation_args, progress_callback)
-            return ctx, self._observed(ctx, responses)
+            connection = getattr(_handling, "connection", None)
+            return ctx, self._observed(ctx, watched(responses, connection, ctx.stop))
 
         def _observed(self, ctx, responses):
             start, generated, reason = time.perf_counter(), 0, None
@@ -415,7 +455,7 @@ def _response_generator_class(stock, budget):
                     generated += 1
                     reason = r.finish_reason or reason
                     yield r
-            except GeneratorExit:
+            except (GeneratorExit, ClientGone):
                 reason = "disconnect"
                 raise
             except Exception:
@@ -500,6 +540,10 @@ def _handler_class():
                     generator=self.response_generator,
                 )
                 response = handler(request)
+            except ConnectionResetError:
+                self.close_connection = True
+                log.info("client %s hung up before its response ended", self.client_address[0])
+                return True
             except Exception:
                 log.exception("plugin route %s %s failed", method, url.path)
                 response = RouteResponse(500, {"error": "internal error in a plugin route"})
@@ -594,6 +638,7 @@ def _handler_class():
                 super().do_GET()
 
         def do_POST(self):
+            _handling.connection = self.connection
             if not self._plugin_route("POST"):
                 super().do_POST()
 

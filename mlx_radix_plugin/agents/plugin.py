@@ -76,6 +76,8 @@ def _serve(request: RouteRequest, api, read) -> RouteResponse:
         return RouteResponse(200, content_type="text/event-stream", stream=stream)
     try:
         return RouteResponse(200, api.answer(turn, conversation))
+    except (BrokenPipeError, ConnectionResetError):
+        raise  # the client hung up (mlx_lm_hooks' ClientGone): the host logs it
     except Exception as e:
         log.exception("%s failed", request.path)
         error = _failure(e)
