@@ -121,6 +121,19 @@ def test_every_other_route_is_the_engines(front):
     assert (r.status, json.loads(r.read())["unpinned"]) == (200, True)
 
 
+@pytest.mark.parametrize("name", ["X-Mlx-Lm-Front-Client", "x-mlx-lm-front-client"])
+def test_a_client_cannot_name_its_own_address_to_the_engine(front, name):
+    """The front strips the header it tells the engine the client's address in, whatever its
+    case (HTTP header names are case-insensitive): a client naming another address does not
+    pass for it (here, a local one passing for a remote one, refused a pin)."""
+    conn = http.client.HTTPConnection("127.0.0.1", front.port)
+    conn.request("POST", "/v1/cache/pin", json.dumps({"prompt": SYSTEM}), {name: "203.0.113.7"})
+    r = conn.getresponse()
+    assert (r.status, json.loads(r.read())["pinned_tokens"] > 0) == (200, True)
+    conn.request("DELETE", "/v1/cache/pin", json.dumps({"prompt": SYSTEM}))
+    assert conn.getresponse().status == 200
+
+
 def test_a_streamed_plugin_route_passes_through(front):
     body = {"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
     conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)

@@ -383,8 +383,10 @@ def _front_handler_class(engine: tuple[str, int]):
         def _forward(self, method: str) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
-            headers.pop(CLIENT_HEADER, None)
+            # Header names are case-insensitive: a client's own client header, in any case,
+            # would otherwise reach the engine ahead of the front's, and be believed.
+            ours = {*HOP_HEADERS, CLIENT_HEADER.lower()}
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ours}
             headers[CLIENT_HEADER] = self.client_address[0]
             upstream = http.client.HTTPConnection(*engine)
             try:
