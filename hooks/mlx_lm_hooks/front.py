@@ -381,7 +381,9 @@ def _front_handler_class(engine: tuple[str, int]):
             self._forward("DELETE")
 
         def _forward(self, method: str) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
+            length = self.body_length(required=method == "POST") if method != "GET" else 0
+            if length is None:
+                return
             body = self.rfile.read(length) if length else None
             # Header names are case-insensitive: a client's own client header, in any case,
             # would otherwise reach the engine ahead of the front's, and be believed.

@@ -84,6 +84,14 @@ class ClientGone(ConnectionResetError):
     """The client closed its connection while its request ran: the request stops there."""
 
 
+# The largest request body a handler reads (``MLX_LM_MAX_BODY_BYTES``): a larger one is
+# refused (413) before a byte of it is read. Claude Code's requests run to a few hundred KB;
+# 1e12 bytes made stock raise MemoryError.
+MAX_BODY_BYTES = int(os.environ.get("MLX_LM_MAX_BODY_BYTES", 64 << 20))
+# Seconds a handler waits on its socket (headers, a body, a write) before it gives up: 300
+# half-sent bodies held 300 threads for as long as their clients liked.
+SOCKET_TIMEOUT_S = 120
+
 # How often a request's tokens look at its connection: a client that hung up is noticed
 # within this of its next token, and its row leaves the batch at the next step.
 HANGUP_CHECK_S = 0.25
@@ -522,6 +530,30 @@ def _handler_class():
     stock = _Installed.stock["APIHandler"]
 
     class APIHandler(stock):
+        timeout = SOCKET_TIMEOUT_S
+
+        def body_length(self, required: bool) -> int | None:
+            """The request body's ``Content-Length``, checked before anything reads it; None
+            once the request is answered with the error (411 where ``required`` and absent,
+            400 where it is no count of bytes, 413 past ``MAX_BODY_BYTES``)."""
+            value = self.headers.get("Content-Length")
+            if value is None and not required:
+                return 0
+            if value is None:
+                self._send_error(411, "Content-Length is required")
+            elif not value.strip().isdigit():
+                self._send_error(400, f"Content-Length must be a count of bytes, got {value!r}")
+            elif int(value) > MAX_BODY_BYTES:
+                self._send_error(
+                    413,
+                    f"the request body is {int(value)} bytes; this server reads at most "
+                    f"{MAX_BODY_BYTES} (MLX_LM_MAX_BODY_BYTES)",
+                )
+            else:
+                return int(value)
+            self.close_connection = True  # a body left unread cannot be skipped
+            return None
+
         def _plugin_route(self, method: str) -> bool:
             url = urlsplit(self.path)
             handler = _Installed.routes.get(method, url.path) if _Installed.routes else None
@@ -529,7 +561,10 @@ def _handler_class():
                 return False
             body = b""
             if method in ("POST", "DELETE"):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                length = self.body_length(required=method == "POST")
+                if length is None:
+                    return True
+                body = self.rfile.read(length)
             try:
                 request = RouteRequest(
                     method,
@@ -639,6 +674,8 @@ def _handler_class():
 
         def do_POST(self):
             _handling.connection = self.connection
+            if self.body_length(required=True) is None:
+                return
             if not self._plugin_route("POST"):
                 super().do_POST()
 
