@@ -14,13 +14,14 @@ from test_server import hf_cache, start  # noqa: F401 - fixtures
 VOCAB = 1024
 
 
-def arguments(stop=(), logit_bias=None, **sampling):
+def arguments(stop=(), logit_bias=None, seed=None, **sampling):
     values = dict(temperature=0.7, top_p=1.0, top_k=0, min_p=0.0, xtc_probability=0.0)
     values.update(xtc_threshold=0.0, **sampling)
     logits = SimpleNamespace(
         logit_bias=logit_bias, repetition_penalty=0.0, presence_penalty=0.0, frequency_penalty=0.0
     )
-    return SimpleNamespace(sampling=SimpleNamespace(**values), logits=logits, stop_words=list(stop))
+    sampling = SimpleNamespace(**values)
+    return SimpleNamespace(sampling=sampling, logits=logits, stop_words=list(stop), seed=seed)
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,7 @@ def arguments(stop=(), logit_bias=None, **sampling):
         (arguments(stop=["x"] * (MAX_STOP_SEQUENCES + 1)), "stop: at most 256 stop sequences"),
         (arguments(stop=["ok", "x" * (MAX_STOP_CHARS + 1)]), "stop.1: a stop sequence is at most"),
         (arguments(stop=["ok", 5]), "stop.1: must be a string, got 5"),
+        (arguments(seed=-1), "seed: must be from 0 to 2**64 - 1"),
     ],
 )
 def test_what_no_step_could_run_is_refused_naming_the_field(args, message):

@@ -30,6 +30,7 @@ system messages by what the template renders).
 from __future__ import annotations
 
 import gc
+import io
 import itertools
 import json
 import logging
@@ -674,8 +675,28 @@ def _handler_class():
 
         def do_POST(self):
             _handling.connection = self.connection
-            if self.body_length(required=True) is None:
+            length = self.body_length(required=True)
+            if length is None:
                 return
+            # The body is read and its nesting checked once, here: Python's JSON reader
+            # raises RecursionError past about a thousand levels, which stock's handler
+            # does not catch (the connection dropped with a traceback) and a plugin's
+            # route answered with a 500. Stock's handler and the routes read it again.
+            raw = self.rfile.read(length)
+            try:
+                json.loads(raw)
+            except RecursionError:
+                self._send_error(400, "the request body nests too deep for a JSON reader")
+                return
+            except ValueError:
+                pass  # stock's handler and the routes say what is wrong with it
+            self.rfile, stream = io.BytesIO(raw), self.rfile
+            try:
+                self._post()
+            finally:
+                self.rfile = stream
+
+        def _post(self) -> None:
             if not self._plugin_route("POST"):
                 super().do_POST()
 

@@ -75,6 +75,11 @@ def check_sampling(args, vocab: int | None, names: dict[str, str] | None = None)
             raise InvalidSampling(
                 name, f"token {token}'s bias must be a finite number, got {value}"
             )
+    seed = getattr(args, "seed", None)
+    if seed is not None and not 0 <= seed < 2**64:
+        raise InvalidSampling(
+            names.get("seed", "seed"), f"must be from 0 to 2**64 - 1 (MLX's seeds), got {seed}"
+        )
     stop = args.stop_words or []
     name = names.get("stop", "stop")
     if len(stop) > MAX_STOP_SEQUENCES:

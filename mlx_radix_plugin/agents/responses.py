@@ -174,6 +174,10 @@ def _input(value: object, calls: set[str]) -> list[dict]:
             # Kept for the assistant message that follows, as ``reasoning_content``: see
             # messages.py (templates that read it repeat what the model wrote).
             parts = item.get("content") or []
+            if not isinstance(parts, list):
+                raise f.bad(
+                    f"{at}.content", f"must be a list of reasoning_text parts, got {parts!r}"
+                )
             reasoning += [
                 p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
             ]
