@@ -1,9 +1,11 @@
 """The disk tier on its own: files, checks, the index at start, the budget, the writer."""
 
 import errno
+import json
 import logging
 import os
 import shutil
+import struct
 import threading
 import time
 
@@ -102,6 +104,29 @@ def test_a_damaged_file_is_a_miss_moved_aside(tmp_path, caplog, damage):
     assert tier.stored(keys) == 1 and tier.counters.corrupt == 1
     assert tier.read(keys[0], "", tokens[:PS]) is not None
     tier.close()
+
+
+@pytest.mark.parametrize("depth", [float("inf"), float("nan"), 1e400, [1], None])
+def test_a_header_the_start_cannot_read_is_moved_aside_and_the_rest_served(tmp_path, depth):
+    """A header of the right form whose values are not a page's (``"depth": Infinity``
+    raised OverflowError, which the start did not count as a bad file: it stopped half-way,
+    and the server had no disk tier, at every start)."""
+    tokens = list(range(3 * PS))
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    keys = chain(tier, tokens)
+    tier.close()
+    path = tier.path_of(keys[2])
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"]["depth"] = depth
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    again = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    assert (again.dir / "quarantine" / path.name).exists() and again.counters.corrupt == 1
+    assert again.stored(keys) == 2
+    assert again.read(keys[1], keys[0], tokens[PS : 2 * PS]) is not None
+    again.close()
 
 
 def test_a_write_killed_midway_is_never_read(tmp_path, monkeypatch):

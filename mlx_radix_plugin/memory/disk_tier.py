@@ -78,7 +78,8 @@ QUARANTINE_MOST = 64
 STALE_TMP_SECONDS = 60
 # What a header that fails its checks raises: not a page, a miss (an OSError is the disk's,
 # not the file's: a miss too, but the file stays).
-BAD_FILE = (ValueError, KeyError, TypeError, RecursionError)
+# (ArithmeticError: a depth of Infinity, which JSON's reader takes, is an OverflowError in int.)
+BAD_FILE = (ValueError, KeyError, TypeError, RecursionError, ArithmeticError)
 
 
 # What ``DiskTier.stats`` reports (the server's stats and metrics show them).
