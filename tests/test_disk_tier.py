@@ -129,6 +129,52 @@ def test_a_header_the_start_cannot_read_is_moved_aside_and_the_rest_served(tmp_p
     again.close()
 
 
+def test_only_the_servers_user_can_read_the_pages(tmp_path):
+    """Folders 0700 and files 0600: the pages hold every tenant's token ids (before, 0755
+    folders and 0644 files let every local user read every prompt)."""
+    tier = DiskTier(tmp_path / "root", IDENTITY, 1 << 20)
+    keys = chain(tier, list(range(2 * PS)))
+    tier.close()
+    files = [tier.path_of(k) for k in keys] + [tier.dir / "identity.json"]
+    folders = [tier.dir] + [f.parent for f in files]
+    assert {f.stat().st_mode & 0o777 for f in files} == {0o600}
+    assert {d.stat().st_mode & 0o777 for d in folders} == {0o700}
+
+
+def test_a_tier_folder_left_open_is_closed_at_start(tmp_path):
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    tier.close()
+    tier.dir.chmod(0o755)
+    DiskTier(tmp_path, IDENTITY, 1 << 20).close()
+    assert tier.dir.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_root_others_may_write_in_or_a_linked_tier_folder_turns_the_tier_off(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(DiskTierOff, match="open to other users' writes .mode 777."):
+        DiskTier(shared, IDENTITY, 1 << 20)
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    tier = DiskTier(root, IDENTITY, 1 << 20)
+    tier.close()
+    shutil.rmtree(tier.dir)
+    tier.dir.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(DiskTierOff, match="is a symbolic link"):
+        DiskTier(root, IDENTITY, 1 << 20)
+    assert not any(elsewhere.iterdir())
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs chown")
+def test_a_root_of_another_user_turns_the_tier_off(tmp_path):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    os.chown(root, 12345, 12345)
+    with pytest.raises(DiskTierOff, match="belongs to user 12345, not this server's"):
+        DiskTier(root, IDENTITY, 1 << 20)
+
+
 def test_a_write_killed_midway_is_never_read(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
     # The writer stopped between writing a page and naming it, as a kill -9 would.

@@ -29,6 +29,11 @@ recently used page that no stored page follows, as the radix tree does, so a cha
 never broken by it; a page that is lost otherwise (a corrupt file) takes the pages after
 it along, since no lookup could reach them again.
 
+The files hold every tenant's token ids: folders are made 0700 and files 0600, a folder of
+the server's user open to others is closed to them at start, and a root owned by another
+user, or a tier folder that is a symbolic link, turns the tier off with a clear error
+(before, every local user could read every prompt, and writes followed links).
+
 Pure Python and numpy (no MLX): tested on its own.
 """
 
@@ -49,6 +54,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISLNK
 
 import numpy as np
 
@@ -100,6 +106,44 @@ DISK_STATS = (
 
 class DiskTierOff(RuntimeError):
     """The tier was turned off (a full or read-only disk); ``str()`` says why."""
+
+
+def own_root(root: Path) -> None:
+    """Make the tier's root folder if need be (0700); ``DiskTierOff`` if it is another
+    user's, or others may write in it (they could put a link where a tier's folder goes).
+    A root that exists is left as it is: it may be a folder of the user's choosing."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = root.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise DiskTierOff(
+            f"{root} belongs to user {st.st_uid}, not this server's ({os.getuid()}): its pages "
+            "would be another user's to read and change; choose a folder of your own"
+        )
+    if st.st_mode & 0o022:
+        raise DiskTierOff(
+            f"{root} is open to other users' writes (mode {st.st_mode & 0o7777:o}): "
+            f"`chmod go-w {root}` or choose another folder"
+        )
+
+
+def private_dir(path: Path) -> None:
+    """Make ``path``, a folder of the tier's own, one only this user can enter (0700, closed
+    to others if it was open); ``DiskTierOff`` if it is a symbolic link or another user's."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = path.lstat()
+    if S_ISLNK(st.st_mode):
+        raise DiskTierOff(f"{path} is a symbolic link: the disk tier writes in folders of its own")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise DiskTierOff(f"{path} belongs to user {st.st_uid}, not this server's ({os.getuid()})")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def _create_private(path: Path):
+    """A new file at ``path`` that only this user can read, never through a link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    path.unlink(missing_ok=True)  # a leftover of a process with this pid
+    return os.fdopen(os.open(path, flags, 0o600), "wb")
 
 
 def identity_id(identity: Mapping) -> str:
@@ -249,7 +293,8 @@ class DiskTier:
         self._touched: dict[str, float] = {}  # stamps refreshed in memory, not yet on disk
         self._read_failing = False  # an OSError on a read has been logged
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            own_root(self.dir.parent)
+            private_dir(self.dir)
             self._record = json.dumps({"identity": self.identity, **dict(about or {})}, indent=1)
             if about is not None or not (self.dir / "identity.json").exists():
                 self._write_atomic(self.dir / "identity.json", self._record)
@@ -441,7 +486,7 @@ class DiskTier:
         log.warning("disk tier: %s is not a valid page (%s): moved aside, a miss", path.name, why)
         aside = self.dir / "quarantine"
         try:
-            aside.mkdir(exist_ok=True)
+            private_dir(aside)
             os.replace(path, aside / path.name)
             # By the time each was moved aside (a move keeps a file's modification time).
             kept = sorted(aside.iterdir(), key=lambda p: p.stat().st_ctime)
@@ -638,13 +683,13 @@ class DiskTier:
         if not path.parent.is_dir():
             # The tier's own directory was removed (``cache clear`` while serving): made
             # again, but not its root, which may be a volume no longer mounted.
-            self.dir.mkdir(exist_ok=True)
-            path.parent.mkdir(exist_ok=True)
+            private_dir(self.dir)
+            private_dir(path.parent)
             if not (self.dir / "identity.json").exists():
                 self._write_atomic(self.dir / "identity.json", self._record)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
+            with _create_private(tmp) as f:
                 f.write(head)
                 for piece in pieces:
                     f.write(piece)
@@ -656,7 +701,8 @@ class DiskTier:
 
     def _write_atomic(self, path: Path, text: str) -> None:
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(text)
+        with _create_private(tmp) as f:
+            f.write(text.encode())
         os.replace(tmp, path)
 
     def _turn_off(self, why: str) -> None:
