@@ -6,6 +6,8 @@ import logging
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -173,6 +175,26 @@ def test_a_root_of_another_user_turns_the_tier_off(tmp_path):
     os.chown(root, 12345, 12345)
     with pytest.raises(DiskTierOff, match="belongs to user 12345, not this server's"):
         DiskTier(root, IDENTITY, 1 << 20)
+
+
+def test_a_second_server_on_the_folder_is_refused_naming_the_first(tmp_path):
+    """Two servers on one folder each counted only their own files against the budget and
+    evicted each other's: the second is refused (its tier off, the reason logged). A model
+    bound again in one process shares the folder with itself."""
+    tier = DiskTier(tmp_path, IDENTITY, 1 << 20)
+    again = DiskTier(tmp_path, IDENTITY, 1 << 20)  # this process: shared
+    again.close()
+    code = (
+        "import sys; from mlx_radix_plugin.memory.disk_tier import DiskTier, DiskTierOff\n"
+        "try:\n    DiskTier(sys.argv[1], {'weights': 'w0', 'page_size': 4}, 1 << 20)\n"
+        "except DiskTierOff as e:\n    print(e)"
+    )
+    second = [sys.executable, "-c", code, str(tmp_path)]
+    out = subprocess.run(second, capture_output=True, text=True)
+    assert f"is in use by another server (process {os.getpid()})" in out.stdout, out
+    tier.close()
+    out = subprocess.run(second, capture_output=True, text=True)
+    assert out.stdout == "" and out.returncode == 0, out  # free once the first has closed
 
 
 def test_a_write_killed_midway_is_never_read(tmp_path, monkeypatch):

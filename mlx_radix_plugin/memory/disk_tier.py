@@ -139,6 +139,55 @@ def private_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
+# Tier folders this process holds the lock of, and how many of its tiers use each: a model
+# bound again in the same process shares the folder with itself.
+_held: dict[Path, list] = {}
+_held_lock = threading.Lock()
+
+
+def hold_folder(folder: Path) -> None:
+    """Take ``folder``'s lock (``lock``, holding the holder's pid) for this process, or raise
+    ``DiskTierOff`` naming the process that has it: two servers on one folder each counted
+    only their own files against the budget and evicted each other's."""
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks here: as before
+        return
+    with _held_lock:
+        if folder in _held:
+            _held[folder][1] += 1
+            return
+        lock = folder / "lock"
+        f = os.fdopen(
+            os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600), "r+"
+        )
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise DiskTierOff(
+                f"{folder} is in use by another server (process {holder}); give this one "
+                "another radix.disk.dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        _held[folder] = [f, 1]
+
+
+def release_folder(folder: Path) -> None:
+    with _held_lock:
+        held = _held.get(folder)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del _held[folder]
+            held[0].close()  # the lock goes with the file
+
+
 def _create_private(path: Path):
     """A new file at ``path`` that only this user can read, never through a link."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
@@ -295,11 +344,13 @@ class DiskTier:
         try:
             own_root(self.dir.parent)
             private_dir(self.dir)
+            hold_folder(self.dir)
             self._record = json.dumps({"identity": self.identity, **dict(about or {})}, indent=1)
             if about is not None or not (self.dir / "identity.json").exists():
                 self._write_atomic(self.dir / "identity.json", self._record)
             self._scan()
         except OSError as e:
+            release_folder(self.dir)
             raise DiskTierOff(f"{self.dir} cannot be written: {e.strerror or e}") from None
         self._thread = threading.Thread(target=self._writer, name="mlx-radix-disk", daemon=True)
         self._thread.start()
@@ -609,6 +660,7 @@ class DiskTier:
             self._queued_bytes = 0
             self._wake.notify()
         self._thread.join(timeout=5)
+        release_folder(self.dir)
         return done
 
     def _writer(self) -> None:
