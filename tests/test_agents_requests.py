@@ -186,7 +186,8 @@ def test_a_responses_request_reads_as_chat_messages_and_continues_a_remembered_o
         {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
     ]
     assert c.history == c.messages[1:]  # instructions are not carried to the next response
-    responses.remembered.put("resp_test", c.history + [{"role": "assistant", "content": "Sunny."}])
+    stored = c.history + [{"role": "assistant", "content": "Sunny."}]
+    responses.remembered.put(None, "resp_test", stored, 100)
     follow = responses.conversation(
         {"model": "gpt-x", "previous_response_id": "resp_test", "input": "Thanks"}
     )
@@ -238,11 +239,27 @@ def test_a_bad_responses_request_is_refused_naming_the_field(change, param):
     assert responses.error_body(e.value)["error"]["param"] == param
 
 
-def test_remembered_responses_forget_the_oldest_first():
-    store = responses._Remembered(2)
+def test_remembered_responses_forget_the_oldest_first_by_count_and_by_bytes():
+    store = responses._Remembered(2, 1000)
     for name in ("a", "b", "c"):
-        store.put(name, [{"role": "user", "content": name}])
-    assert [store.get(n) is not None for n in ("a", "b", "c")] == [False, True, True]
+        store.put(None, name, [{"role": "user", "content": name}], 10)
+    assert [store.get(None, n) is not None for n in ("a", "b", "c")] == [False, True, True]
+    store.put(None, "big", [{"role": "user", "content": "x" * 990}], 995)
+    assert [store.get(None, n) is not None for n in ("b", "c", "big")] == [False, False, True]
+
+
+def test_a_remembered_response_continues_for_its_own_cache_salt_only():
+    """Any holder of a response's id could continue another tenant's conversation."""
+    store = responses._Remembered(8, 1000)
+    store.put("tenant-a", "resp_1", [{"role": "user", "content": "secret"}], 10)
+    assert store.get("tenant-a", "resp_1") is not None
+    assert store.get("tenant-b", "resp_1") is None and store.get(None, "resp_1") is None
+    responses.remembered.put("tenant-a", "resp_salted", [{"role": "user", "content": "s"}], 10)
+    follow = {"model": "m", "previous_response_id": "resp_salted", "input": "hi"}
+    with pytest.raises(fields.ApiError, match="remembered by this server for this cache_salt"):
+        responses.conversation(follow)
+    continued = responses.conversation({**follow, "cache_salt": "tenant-a"})
+    assert continued.messages[0]["content"] == "s"
 
 
 # Claude Code's request, in the shape it sends (docs/agent-clients.md), with short texts.

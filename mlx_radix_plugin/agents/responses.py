@@ -21,9 +21,12 @@ from . import fields as f
 from . import generation as g
 from . import tools as t
 
-# Conversations kept for previous_response_id: each holds its messages (a reference to the
-# previous one's list plus this turn), so memory grows with the conversations' text only.
+# Conversations kept for previous_response_id: each holds its messages (the previous one's
+# messages, shared, plus this turn's), so memory grows with the conversations' text only; at
+# most REMEMBERED of them and REMEMBERED_BYTES of their turns' text, the oldest forgotten
+# first (by count alone, 1,024 responses with a 20 MB reasoning item each stayed resident).
 REMEMBERED = 1024
+REMEMBERED_BYTES = 256 << 20
 TOOL_CHOICES = ("auto", "none", "required")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -49,25 +52,30 @@ UNUSED = {
 
 
 class _Remembered:
-    """Each stored response's conversation: its input messages and its output's message."""
+    """Each stored response's conversation: its input messages and its output's message, by
+    the requests' cache salt and the response's id (a tenant continues its own only)."""
 
-    def __init__(self, size: int):
-        self._size = size
-        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+    def __init__(self, size: int, max_bytes: int):
+        self._size, self._max_bytes = size, max_bytes
+        self._items: OrderedDict[tuple, tuple[list[dict], int]] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()  # handler threads answer concurrently
 
-    def put(self, response_id: str, messages: list[dict]) -> None:
+    def put(self, salt: str | None, response_id: str, messages: list[dict], nbytes: int) -> None:
+        """``nbytes``: the text this response adds to the conversation it continues."""
         with self._lock:
-            self._items[response_id] = messages
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
+            self._items[salt, response_id] = (messages, nbytes)
+            self._bytes += nbytes
+            while self._items and (len(self._items) > self._size or self._bytes > self._max_bytes):
+                self._bytes -= self._items.popitem(last=False)[1][1]
 
-    def get(self, response_id: str) -> list[dict] | None:
+    def get(self, salt: str | None, response_id: str) -> list[dict] | None:
         with self._lock:
-            return self._items.get(response_id)
+            item = self._items.get((salt, response_id))
+            return None if item is None else item[0]
 
 
-remembered = _Remembered(REMEMBERED)
+remembered = _Remembered(REMEMBERED, REMEMBERED_BYTES)
 
 
 class Conversation(g.Conversation):
@@ -99,29 +107,28 @@ def conversation(body: object) -> Conversation:
     tools = t.responses_tools(body.get("tools"))
     history: list[dict] = []
     previous = body.get("previous_response_id")
+    salt = f.salt_of(body)
     if previous is not None:
-        history = remembered.get(previous) if isinstance(previous, str) else None
+        history = remembered.get(salt, previous) if isinstance(previous, str) else None
         if history is None:
             raise f.bad(
                 "previous_response_id",
-                f"no response {previous!r} is remembered by this server (it keeps the last "
-                f"{REMEMBERED}, in memory, those sent with store: true)",
+                f"no response {previous!r} is remembered by this server for this cache_salt "
+                f"(it keeps the last {REMEMBERED}, at most {REMEMBERED_BYTES >> 20} MiB of "
+                "their text, in memory, those sent with store: true)",
             )
+    continued = len(history)
     history = history + _input(body.get("input"), _calls_in(history))
     messages = list(history)
     if body.get("instructions") is not None:
         instructions = f.text_of(body["instructions"], "instructions", TEXT_PARTS)
         messages.insert(0, {"role": "system", "content": instructions})
     _tool_choice(body.get("tool_choice"), tools)
-    return Conversation(
-        body,
-        messages,
-        history,
-        tools=tools,
-        sampling=sampling,
-        model=model,
-        salt=f.salt_of(body),
+    conversation = Conversation(
+        body, messages, history, tools=tools, sampling=sampling, model=model, salt=salt
     )
+    conversation.continued = continued  # messages of the conversation it continues
+    return conversation
 
 
 def _calls_in(messages: list[dict]) -> set[str]:
@@ -286,7 +293,10 @@ class _Output:
             "total_tokens": event.prompt_tokens + event.output_tokens,
         }
         if r["store"] is not False:
-            remembered.put(r["id"], self.conversation.history + [self._as_message()])
+            c = self.conversation
+            messages = c.history + [self._as_message()]
+            added = len(json.dumps(messages[c.continued :], default=str))
+            remembered.put(c.salt, r["id"], messages, added)
 
     def _as_message(self) -> dict:
         """This response as the assistant message a next turn's template renders."""
