@@ -97,3 +97,29 @@ def test_a_segment_of_a_salted_prompt_is_filed_under_its_salt():
         (salted(KEY, "a"), [*PROMPT, 99], "assistant"),
         (KEY, [7, 8, 9], "assistant"),
     ]
+
+
+def test_one_prompt_under_two_salts_files_its_answers_for_no_one():
+    """A salted request's prompt sent again without a salt: the first's answer was filed
+    unsalted, and a later unsalted request found it (cached_tokens: 1024 on the stock
+    cache's path). Whose answer an insert is is not known there: it is cached for no one."""
+    calls = []
+
+    class Inner:
+        def fetch_nearest_cache(self, key, tokens):
+            return None, list(tokens)
+
+        def insert_cache(self, key, tokens, prompt_cache, *, cache_type="assistant"):
+            calls.append((key, list(tokens)))
+
+    cache = SaltedPromptCache(Inner())
+    cache.salt = "tenant-a"
+    cache.fetch_nearest_cache(KEY, PROMPT)
+    cache.fetch_nearest_cache(KEY, PROMPT)  # unsalted, the same prompt
+    cache.insert_cache(KEY, [*PROMPT, 99], [])  # tenant-a's answer, or the other's
+    cache.insert_cache(KEY, PROMPT[:8], [])  # a segment both sent
+    cache.salt = "tenant-a"
+    cache.fetch_nearest_cache(KEY, [*PROMPT, 5])
+    cache.insert_cache(KEY, [*PROMPT, 5, 98], [])  # its prompt came with one salt
+    assert calls[0][1] == PROMPT[:8]
+    assert calls[1:] == [(salted(KEY, "tenant-a"), [*PROMPT, 5, 98])]

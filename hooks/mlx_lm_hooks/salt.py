@@ -57,9 +57,11 @@ class SaltedPromptCache:
     def __init__(self, cache: Any):
         self.cache = cache
         self.salt: str | None = None
-        # Prompts fetched, newest last, with their salt (None: unsalted); kept only once a
-        # salted request has come, so a server whose clients send none pays nothing.
-        self._prompts: OrderedDict[tuple[int, ...], str | None] = OrderedDict()
+        # Prompts fetched, newest last, with the salts they came with (None: unsalted); kept
+        # only once a salted request has come, so a server whose clients send none pays
+        # nothing. One prompt may come with several salts: remembering only the last filed a
+        # salted request's answer under the unsalted one's key, for everyone to find.
+        self._prompts: OrderedDict[tuple[int, ...], set[str | None]] = OrderedDict()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cache, name)
@@ -71,7 +73,7 @@ class SaltedPromptCache:
         salt, self.salt = self.salt, None
         if salt is not None or self._prompts:
             prompt = tuple(tokens)
-            self._prompts[prompt] = salt
+            self._prompts.setdefault(prompt, set()).add(salt)
             self._prompts.move_to_end(prompt)
             while len(self._prompts) > REMEMBERED_PROMPTS:
                 self._prompts.popitem(last=False)
@@ -82,27 +84,35 @@ class SaltedPromptCache:
         self, model_key: Hashable, tokens: Sequence[int], prompt_cache, *, cache_type="assistant"
     ):
         salt = self._salt_of(tokens)
+        if salt is _UNKNOWN:
+            return None  # whose it is is not known: cached for no one rather than the wrong one
         if salt is not None:
             model_key = salted(model_key, salt)
         return self.cache.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
 
-    def _salt_of(self, tokens: Sequence[int]) -> str | None:
+    def _salt_of(self, tokens: Sequence[int]):
         """The salt of the request ``tokens`` came from: the one with the longest prompt that
         ``tokens`` extend (a finished request's prompt and answer), else the newest whose
-        prompt they begin (a segment of its prompt). A segment that several requests' prompts
-        begin with was sent by each of them, so filing it under any of their salts tells no
-        one anything they did not send."""
+        prompt they begin (a segment of its prompt); ``_UNKNOWN`` where that prompt came
+        with several salts, its answer being one of theirs. A segment that several requests'
+        prompts begin with was sent by each of them, so filing it under any of their salts
+        tells no one anything they did not send."""
         if not self._prompts:
             return None
         tokens = tuple(tokens)
         longest, begun = None, None
-        for prompt, salt in reversed(self._prompts.items()):
+        for prompt, salts in reversed(self._prompts.items()):
             if len(prompt) <= len(tokens):
                 if tokens[: len(prompt)] == prompt and (
                     longest is None or len(prompt) > len(longest[0])
                 ):
-                    longest = (prompt, salt)
+                    longest = (prompt, salts)
             elif begun is None and prompt[: len(tokens)] == tokens:
-                begun = (prompt, salt)
-        found = longest or begun
-        return None if found is None else found[1]
+                begun = (prompt, salts)
+        if longest is not None:
+            salts = longest[1]
+            return next(iter(salts)) if len(salts) == 1 else _UNKNOWN
+        return None if begun is None else next(iter(begun[1]))
+
+
+_UNKNOWN = object()  # a prompt and answer whose request's salt is not known
