@@ -684,7 +684,10 @@ def _handler_class():
             # route answered with a 500. Stock's handler and the routes read it again.
             raw = self.rfile.read(length)
             try:
-                json.loads(raw)
+                json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:  # stock's handler let it end the connection
+                self._send_error(400, f"the request body is not UTF-8 text: {e}")
+                return
             except RecursionError:
                 self._send_error(400, "the request body nests too deep for a JSON reader")
                 return
