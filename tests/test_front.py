@@ -172,6 +172,40 @@ def test_a_client_hanging_up_is_a_disconnect_and_the_server_goes_on(front):
     assert front.stats()["pages_locked"] == 0
 
 
+@pytest.mark.parametrize(
+    "path, body, end",
+    [
+        ("/v1/messages", {"model": "claude", "max_tokens": 2000}, b'"type": "api_error"'),
+        ("/v1/responses", {"model": "gpt", "max_output_tokens": 2000}, b'"code": "server_error"'),
+    ],
+)
+def test_a_forwarded_stream_cut_short_ends_with_an_error_event(
+    model_dirs, hf_cache, tmp_path, path, body, end
+):
+    """The engine dies mid-stream: the client's stream through the front ends with the API's
+    error event, not as a whole 200 (the engine's stream ends with its connection)."""
+    port = free_port()
+    cmd = radix_server(model_dirs, port)
+    words = {"messages": [{"role": "user", "content": "Tell me"}]} if "messages" in path else {}
+    ask = {**body, **words, "input": "Tell me", "stream": True, "logit_bias": GREEDY["logit_bias"]}
+    if "messages" in path:
+        del ask["input"]
+    data = json.dumps(ask).encode()
+    with Server(cmd, server_env(hf_cache, **FRONT), port, tmp_path / "log") as server:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
+            s.sendall(head.encode() + data)
+            got = s.recv(65536)
+            while got.count(b"data: ") < 4:
+                got += s.recv(65536)
+            os.kill(server.proc.pid, signal.SIGKILL)  # the engine
+            while chunk := s.recv(65536):
+                got += chunk
+    events = got.split(b"\r\n\r\n", 1)[1].strip().split(b"\n\n")
+    assert events[-1].startswith(b"event: error") and end in events[-1], events[-3:]
+    assert b"engine process ended before this response did" in events[-1]
+
+
 def test_sigterm_stops_both_and_a_lost_front_stops_the_engine(model_dirs, hf_cache, tmp_path):
     port = free_port()
     cmd = radix_server(model_dirs, port)

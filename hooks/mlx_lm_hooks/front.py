@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import http.client
 import itertools
+import json
 import logging
 import os
 import pickle
@@ -362,6 +363,31 @@ class FrontGenerator:
         self._on_lost()
 
 
+# What a forwarded stream ends with when its route ended it: each API's last event, or its
+# error event (chat completions' streams are the front's own, over the pipe).
+STREAM_ENDS = (
+    b"message_stop",
+    b"response.completed",
+    b"response.incomplete",
+    b"response.failed",
+    b"[DONE]",
+    b"event: error",
+)
+CUT_SHORT = "the server's engine process ended before this response did; send it again"
+
+
+def cut_short_event(path: str) -> bytes:
+    """The error event that ends a forwarded stream cut short, in the shape of its API."""
+    if path.startswith("/v1/messages"):
+        error = {"type": "error", "error": {"type": "api_error", "message": CUT_SHORT}}
+    elif path.startswith("/v1/responses"):
+        error = {"type": "error", "code": "server_error", "message": CUT_SHORT, "param": None}
+        error["sequence_number"] = 0  # as the route's own error events (agents/responses.py)
+    else:
+        return f"data: {json.dumps({'error': CUT_SHORT})}\n\n".encode()
+    return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+
+
 def _front_handler_class(engine: tuple[str, int]):
     from .server import HANGUP_CHECK_S, _handler_class, hung_up
 
@@ -416,9 +442,23 @@ def _front_handler_class(engine: tuple[str, int]):
                 if answer.getheader("Content-Length") is None:
                     self.close_connection = True
                 self.end_headers()
+                streamed = "text/event-stream" in (answer.getheader("Content-Type") or "")
+                tail = b""
                 try:
-                    while chunk := answer.read1(65536):
+                    while True:
+                        try:
+                            chunk = answer.read1(65536)
+                        except (http.client.HTTPException, OSError):
+                            chunk = b""  # the engine went mid-response: as its end, below
+                        if not chunk:
+                            break
                         self.wfile.write(chunk)
+                        self.wfile.flush()
+                        tail = (tail + chunk)[-512:]
+                    if streamed and not any(end in tail for end in STREAM_ENDS):
+                        # The engine's stream ends with the connection: one cut short (the
+                        # engine died) would reach the client as a whole 200 with no error.
+                        self.wfile.write(cut_short_event(self.path))
                         self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):
                     # Closing the engine's connection tells its route the client is gone.
