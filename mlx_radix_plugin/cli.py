@@ -385,6 +385,13 @@ def _model_report(model_path, cfg, mem) -> dict:
     default=0,
     help="The disk tier's budget [default 0: the server's own].",
 )
+@click.option(
+    "--adversaries",
+    type=click.IntRange(min=0),
+    default=0,
+    help="More clients sending requests the server must refuse, or hanging up before "
+    "their answers [default 0].",
+)
 def soak(
     model_path,
     minutes,
@@ -396,6 +403,7 @@ def soak(
     restart_every,
     disk_dir,
     disk_bytes,
+    adversaries,
 ):
     """Concurrent clients against mlx_lm.server --plugin radix, invariants checked as it
     runs; one line of verdict, exit status 0 if everything held."""
@@ -417,6 +425,7 @@ def soak(
         restart_every=restart_every,
         disk_dir=disk_dir,
         disk_bytes=disk_bytes,
+        adversaries=adversaries,
     )
     for line in lines(report):
         click.echo(line)

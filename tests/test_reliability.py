@@ -673,16 +673,19 @@ def test_requests_a_restart_cut_are_lost_not_violations():
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
 def test_soak(model_dirs, hf_cache, arch):
     """The soak command for two minutes (RADIX_SOAK_MINUTES sets another length locally), on
-    an attention model and a hybrid one."""
+    an attention model and a hybrid one, with two adversaries beside the clients (requests
+    the server must refuse, clients that hang up before their answers)."""
     minutes = os.environ.get("RADIX_SOAK_MINUTES", "2")
     cmd = [str(BIN / "mlx-radix"), "soak", "--model", str(model_dirs[arch])]
-    cmd += ["--minutes", minutes, "--check-every", "10"]
+    cmd += ["--minutes", minutes, "--check-every", "10", "--adversaries", "2"]
     result = run_to_exit(cmd, server_env(hf_cache), timeout=int(float(minutes) * 60) + 300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     verdict = result.stdout.splitlines()[0]
     counts = re.search(r"(\d+) requests \((\d+) streamed, (\d+) disconnected", verdict)
+    adversarial = re.search(r"(\d+) adversarial\)", verdict)
     idle_checks = re.search(r"(\d+) idle \+", verdict)
     assert verdict.startswith("soak PASS") and counts and idle_checks, verdict
+    assert adversarial and int(adversarial.group(1)) > 100, verdict
     requests, streamed, disconnected = map(int, counts.groups())
     assert requests > 100 and 0 < disconnected < streamed < requests
     assert int(idle_checks.group(1)) >= float(minutes) * 3  # every 10 s, plus settling

@@ -7,7 +7,10 @@ Each client sends completions and chat completions, streamed or not, on a few sh
 prefixes (system prompts); some continue their previous prompt with its completion (an
 exact repeat of what the cache holds), and one request in ten disconnects after its first
 streamed token. Every few seconds the clients pause, and once the server is idle the pool
-must be too: no page locked or held by a finished request, every used page cached. In
+must be too: no page locked or held by a finished request, every used page cached. With
+``--adversaries N``, N more clients send, at random, requests no server should run (sampling
+no batch can run, broken framing, bad field types) and requests whose clients hang up before
+their answer, beside the others: each must be refused with its 4xx, and the rest must hold. In
 between, the server must answer ``/health`` and its counters must add up. Greedy decoding
 must give one answer per prompt, however the batches were made up. One line says whether
 everything held; the exit status is 0 if it did, 1 if not.
@@ -56,6 +59,27 @@ CONTINUE_CHANCE = 0.15  # a client sends its previous prompt plus that prompt's 
 MAX_CHAIN = 3  # continuations in a row before a client starts afresh
 CUT_PAUSE = 0.25  # seconds a client waits after a request the server did not answer
 PROBES = 4  # prompts asked before the first restart and again after each
+# What an adversary sends: (route, the request's head after its first line, body, the
+# statuses that are right). Each of these failed another client's request, held a handler
+# or a page, or dropped a connection with a traceback before issue 56.
+_USER = [{"role": "user", "content": "Tell me about the cache."}]
+_ASK = {"model": "m", "max_tokens": 4, "messages": _USER}
+_DEEP = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+ADVERSARIAL: list[tuple[str, str | None, dict | bytes, tuple[int, ...]]] = [
+    ("/v1/completions", None, {"prompt": "Hi", "top_k": 100000, "temperature": 0.5}, (400,)),
+    ("/v1/completions", None, {"prompt": "Hi", "logit_bias": {"100000": 1}}, (400,)),
+    ("/v1/completions", None, {"prompt": "Hi", "temperature": float("nan")}, (400,)),
+    ("/v1/chat/completions", None, {"messages": _USER, "stop": ["x"] * 300}, (400,)),
+    ("/v1/messages", None, {**_ASK, "top_k": 10**6}, (400,)),
+    ("/v1/messages", None, {**_ASK, "thinking": 5}, (400,)),
+    ("/v1/responses", None, {"model": "m", "input": [{"type": "reasoning", "content": 5}]}, (400,)),
+    ("/v1/completions", "Content-Length: abc\r\n", b"{}", (400,)),
+    ("/v1/completions", "Content-Length: -1\r\n", b"{}", (400,)),
+    ("/v1/messages", "Content-Length: 1000000000000\r\n", b"{}", (413,)),
+    ("/v1/completions", None, b"\xff\xfe", (400,)),
+    ("/v1/chat/completions", None, _DEEP, (400,)),
+]  # fmt: skip
+HANG_UP_CHANCE = 0.25  # an adversary's request that hangs up before its answer instead
 PROBE_TOKENS = 16
 
 
@@ -224,6 +248,37 @@ def probe_specs(seed: int, n: int = PROBES) -> list[Spec]:
     ]
 
 
+def adversarial(port: int, rng: random.Random, timeout: float = 120) -> str | None:
+    """One adversary's request; what went wrong, or None where the server answered rightly
+    (a refusal with its status, or nothing to a client that hung up)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        if rng.random() < HANG_UP_CHANCE:
+            # Not streamed, so nothing is written before the end: only a server that looks
+            # at the connection notices it went (its pages must come back: the idle checks).
+            body = {"prompt": words(rng, 40), "max_tokens": 4096, "logit_bias": {"0": -100}}
+            raw = json.dumps(body).encode()
+            s.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Length: {len(raw)}"
+                f"\r\n\r\n".encode()
+                + raw
+            )
+            time.sleep(rng.uniform(0.05, 0.5))
+            return None
+        path, head, body, right = rng.choice(ADVERSARIAL)
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        head = head or f"Content-Length: {len(raw)}\r\n"
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: soak\r\n{head}\r\n".encode() + raw)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else None
+    if status not in right:
+        return f"{path} ({head.strip()}, {raw[:60]!r}) got {status}, not {right}: {data[-200:]!r}"
+    return None
+
+
 def cached_tokens(usage: dict | None) -> int:
     """The prompt tokens a response says came from the cache."""
     return ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -339,6 +394,7 @@ class Report:
     streamed: int = 0
     disconnected: int = 0
     continued: int = 0
+    refused: int = 0  # adversaries' requests answered rightly
     idle_checks: int = 0
     live_checks: int = 0
     violations: list[str] = field(default_factory=list)
@@ -364,7 +420,8 @@ class Report:
         hit = self.total("cached_tokens") / max(1, self.total("prompt_tokens"))
         summary = (
             f"{self.seconds:.0f} s, {self.requests} requests ({self.streamed} streamed, "
-            f"{self.disconnected} disconnected, {self.continued} continuations), "
+            f"{self.disconnected} disconnected, {self.continued} continuations, "
+            f"{self.refused} adversarial), "
             f"{self.idle_checks} idle + {self.live_checks} live checks, "
             f"{self.total('evictions')} pages evicted, {hit:.0%} of prompt tokens cached"
         )
@@ -450,8 +507,10 @@ class Soak:
         lives: Lives | None = None,
         restart_every: float | None = None,
         disk: bool = False,
+        adversaries: int = 0,
     ):
         self.port, self.seconds, self.check_every = port, seconds, check_every
+        self.adversaries = [random.Random(f"adversary {seed} {i}") for i in range(adversaries)]
         self.idle_timeout, self.request_timeout = idle_timeout, request_timeout
         self.clients = clients(seed, n_clients)
         self.report = Report(disk=disk)
@@ -503,6 +562,30 @@ class Soak:
                 self._idle.notify_all()
             if outcome.cut:
                 time.sleep(CUT_PAUSE)  # the server is down: no busy loop of refusals
+
+    def _adversary(self, rng: random.Random) -> None:
+        while True:
+            self._go.wait()
+            with self._lock:
+                if self._stop:
+                    return
+                if not self._go.is_set():
+                    continue
+                self._in_flight += 1
+                epoch, down = self._epoch, self._down
+            try:
+                wrong = adversarial(self.port, rng, self.request_timeout)
+            except OSError as e:
+                wrong = f"an adversarial request got no answer: {type(e).__name__}: {e}"
+            with self._lock:
+                if wrong is None:
+                    self.report.refused += 1
+                elif down or self._down or epoch != self._epoch:
+                    self.report.lost += 1  # a restart, not the request
+                else:
+                    self.report.violations.append(wrong)
+                self._in_flight -= 1
+                self._idle.notify_all()
 
     def _record(self, o: Outcome, epoch: int = 0, down: bool = False) -> None:
         """File a request's outcome; ``epoch`` and ``down``: the server's life and whether
@@ -635,6 +718,7 @@ class Soak:
 
     def run(self) -> Report:
         threads = [threading.Thread(target=self._client, args=(c,)) for c in self.clients]
+        threads += [threading.Thread(target=self._adversary, args=(r,)) for r in self.adversaries]
         for t in threads:
             t.start()
         start = time.monotonic()
@@ -692,6 +776,7 @@ def soak_server(
     restart_every: float | None = None,
     disk_dir: str | Path | None = None,
     disk_bytes: int = 0,
+    adversaries: int = 0,
 ) -> Report:
     """Start ``mlx_lm.server --plugin radix`` on ``model`` (127.0.0.1) and soak it.
 
@@ -731,6 +816,7 @@ def soak_server(
             lives=lives,
             restart_every=restart_every,
             disk=disk,
+            adversaries=adversaries,
         )
         report = soak.run()
     finally:
