@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from mlx_lm_hooks.hookspecs import hookimpl
 from mlx_lm_hooks.routes import RouteRequest, RouteResponse
-from mlx_lm_hooks.server import GenerationFailed
+from mlx_lm_hooks.server import GenerationFailed, context_length
 
 from ..config import Config, ConfigError, exit_with_usage_error, load_config
 from . import fields as f
@@ -91,7 +91,31 @@ def _failure(error: Exception) -> f.ApiError:
     return f.ApiError(500, f"internal error: {type(error).__name__}: {error}")
 
 
+# A count_tokens body is tokenized on its handler's thread: at most this many bytes a token
+# of the model's context (and at least COUNT_MIN_BYTES) are read. A 9 MB body took 19.5 s of
+# a thread on this CPU; a body past the bound holds far more than the context takes.
+COUNT_BYTES_PER_TOKEN = 32
+COUNT_MIN_BYTES = 1 << 20
+
+
+def count_limit(model) -> int:
+    """The largest count_tokens body read for ``model``, in bytes."""
+    context = context_length(model) if model is not None else None
+    return max(COUNT_MIN_BYTES, (context or 0) * COUNT_BYTES_PER_TOKEN)
+
+
 def count_tokens_route(request: RouteRequest) -> RouteResponse:
+    provider = getattr(request.generator, "model_provider", None)
+    limit = count_limit(getattr(provider, "model", None))
+    if len(request.body or b"") > limit:
+        error = f.ApiError(
+            413,
+            f"a count_tokens request of {len(request.body)} bytes holds more than this model's "
+            f"context takes; at most {limit} bytes are counted",
+            "body",
+            "request_too_large",
+        )
+        return RouteResponse(413, messages.error_body(error))
     try:
         conversation = _messages_conversation(_body(request), counting=True)
         return RouteResponse(200, messages.count_tokens(conversation, request.generator))
