@@ -545,16 +545,21 @@ class Soak:
         with self._lock:
             self.report.violations.append(message)
 
-    def _client(self, client: Client) -> None:
+    def _turn(self) -> tuple[int, bool] | None:
+        """Wait until clients may send, then count one request in flight: the server's life
+        and whether it was down then, or None once the soak stops."""
         while True:
             self._go.wait()
             with self._lock:
                 if self._stop:
-                    return
-                if not self._go.is_set():
-                    continue
-                self._in_flight += 1
-                epoch, down = self._epoch, self._down
+                    return None
+                if self._go.is_set():
+                    self._in_flight += 1
+                    return self._epoch, self._down
+
+    def _client(self, client: Client) -> None:
+        while (turn := self._turn()) is not None:
+            epoch, down = turn
             outcome = client.run_one(self.port, timeout=self.request_timeout)
             with self._lock:
                 self._record(outcome, epoch, down)
@@ -564,15 +569,8 @@ class Soak:
                 time.sleep(CUT_PAUSE)  # the server is down: no busy loop of refusals
 
     def _adversary(self, rng: random.Random) -> None:
-        while True:
-            self._go.wait()
-            with self._lock:
-                if self._stop:
-                    return
-                if not self._go.is_set():
-                    continue
-                self._in_flight += 1
-                epoch, down = self._epoch, self._down
+        while (turn := self._turn()) is not None:
+            epoch, down = turn
             try:
                 wrong = adversarial(self.port, rng, self.request_timeout)
             except OSError as e:
