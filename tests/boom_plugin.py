@@ -1,6 +1,7 @@
-"""A plugin whose batch generator fails a decode step of any request asking for 13 tokens, and
-the second prompt pass of any asking for 17 as an allocation would (run inside a test server,
-to check that the server goes on serving after a failed step)."""
+"""A plugin whose batch generator fails a decode step of any request asking for 13 tokens, the
+second prompt pass of any asking for 17 as an allocation would, and gives any asking for 19 a
+logits processor that raises once FAIL_AFTER tokens are out (run inside a test server, to
+check that the server goes on serving after a failed step, and a row fails alone)."""
 
 import sys
 
@@ -10,6 +11,8 @@ from mlx_lm_hooks.hookspecs import hookimpl
 ARMED_MAX_TOKENS = 13
 FAIL_AFTER = 3  # tokens the armed request streams before its step fails
 ARMED_PROMPT_MAX_TOKENS = 17
+ARMED_ROW_MAX_TOKENS = 19
+ROW_FAILURE = "injected failure in a logits processor"
 OUT_OF_MEMORY = "cudaMallocAsync(&data, size, stream) failed: out of memory (injected)"
 
 
@@ -21,6 +24,12 @@ def arm(generator):
     insert_segments, step = generator.insert_segments, generator.next
 
     def insert(segments, max_tokens=None, *args, **kwargs):
+        processors = kwargs.get("logits_processors")
+        if processors is not None:
+            kwargs["logits_processors"] = [
+                [*row, _failing_processor()] if n == ARMED_ROW_MAX_TOKENS else row
+                for n, row in zip(max_tokens, processors)
+            ]
         uids = insert_segments(segments, max_tokens, *args, **kwargs)
         for uid, n in zip(uids, max_tokens or []):
             if n == ARMED_MAX_TOKENS:
@@ -66,6 +75,20 @@ def arm(generator):
 
     generator.insert_segments, generator.next = insert, next_step
     return generator
+
+
+def _failing_processor():
+    """A logits processor that raises at its call after FAIL_AFTER calls: the row's first
+    FAIL_AFTER tokens go out, then its step's graph cannot be built."""
+    calls = [0]
+
+    def processor(tokens, logits):
+        calls[0] += 1
+        if calls[0] > FAIL_AFTER:
+            raise ValueError(ROW_FAILURE)
+        return logits
+
+    return processor
 
 
 class Boom:

@@ -311,6 +311,55 @@ def test_a_failed_step_fails_its_batch_and_the_server_goes_on(model_dirs, tmp_pa
     assert "Exception occurred during processing of request" not in log  # no handler died
 
 
+def test_a_row_whose_own_work_fails_is_failed_alone_and_its_batch_goes_on(model_dirs, tmp_path):
+    """A logits processor that raises in a step (the graph of one row) fails that request
+    alone on the radix engine: it gets the error (an event on a stream, 503 otherwise),
+    the stream beside it in the same batch goes on to the answer it gets alone, and the
+    failed row's pages go back."""
+    import threading
+
+    from boom_plugin import ARMED_ROW_MAX_TOKENS, FAIL_AFTER, ROW_FAILURE
+
+    port = free_port()
+    script = str(Path(__file__).parent / "boom_plugin.py")
+    cmd = [sys.executable, script, "radix", "--model", str(model_dirs["llama"])]
+    cmd += ["--port", str(port)]
+    env = server_env(tmp_path)
+    env["PYTHONPATH"] += ":" + str(Path(__file__).parent)
+    greedy = {"temperature": 0.0, "logit_bias": NO_EOS}
+    story = {"prompt": "Tell me a long story.", "max_tokens": 300, **greedy}
+    armed = {"prompt": "Where is Paris?", "max_tokens": ARMED_ROW_MAX_TOKENS, **greedy}
+    with Server(cmd, env, port, tmp_path / "log") as server:
+        alone = server.post("/v1/completions", story)["choices"][0]["text"]
+        streaming, events = threading.Event(), []
+
+        def good():
+            events.extend(server.stream("/v1/completions", story, on_first=streaming.set))
+            events.append(time.monotonic())
+
+        client = threading.Thread(target=good)
+        client.start()
+        assert streaming.wait(60)
+        failed = server.stream("/v1/completions", armed)
+        with pytest.raises(RuntimeError, match=f"503 .*{ROW_FAILURE}"):
+            server.post("/v1/completions", armed)
+        both_failed = time.monotonic()
+        client.join(120)
+        assert events.pop() > both_failed  # the story was streaming all along
+        assert server.get("/health")[0] == 200
+        stats = json.loads(server.get("/v1/cache/stats")[1])
+        log = server.output()
+    texts = [e["choices"][0]["text"] for e in failed if e.get("choices")]
+    assert len(texts) <= FAIL_AFTER
+    assert ROW_FAILURE in failed[-1]["error"] and "went on" in failed[-1]["error"]
+    assert not any("error" in e for e in events)  # still streaming when the rows failed
+    assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == alone
+    assert stats["pages_locked"] == stats["requests_holding_pages"] == 0, stats
+    assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
+    assert "a generation step failed" not in log  # no batch failed
+    assert log.count("a logits processor of request") == 2
+
+
 @pytest.mark.parametrize("plugins", [[], ["radix"]])
 def test_an_allocation_failure_in_a_prompt_pass_leaves_the_server_serving(
     model_dirs, tmp_path, plugins

@@ -24,6 +24,8 @@ def mlx_lm_prompt_cache(cli_args):
 @hookspec(firstresult=True)
 def mlx_lm_batch_generator(model, kwargs):
     """Return the server's batch generator for model (BatchGenerator's interface), or None."""
+    # One that can fail a row alone also has ``failed_rows() -> {uid: why}``, read after
+    # each ``next()``: those rows' requests get an error (mlx_lm_hooks.server.RowFailed).
 
 
 @hookspec

@@ -130,6 +130,11 @@ class GenerationFailed(RuntimeError):
     event on a stream) and the server goes on serving."""
 
 
+class RowFailed(GenerationFailed):
+    """This request's own work (a logits processor, its sampler) failed in a step; the
+    rest of its batch went on."""
+
+
 class _RequestQueue(Queue):
     """The generation thread's queue of requests, remembering each one's response queue
     (while its handler still holds it) so that a failed step can answer them."""
@@ -137,11 +142,63 @@ class _RequestQueue(Queue):
     def __init__(self):
         super().__init__()
         self.responses: weakref.WeakSet = weakref.WeakSet()
+        self._of: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def put(self, item, block=True, timeout=None):
         if isinstance(item, tuple):  # (response queue, request, arguments)
             self.responses.add(item[0])
+            self._of[id(item[1])] = item[0]
         super().put(item, block, timeout)
+
+    def responses_of(self, request) -> Queue | None:
+        """The response queue of ``request`` while its handler holds it."""
+        return self._of.get(id(request))
+
+
+# The response queue of the request the generation thread is tokenizing: stock's loop
+# inserts its row next, on the same thread (``_RowErrors.insert_segments``).
+_joining = threading.local()
+
+
+class _RowErrors:
+    """A batch generator that can fail a row alone (``failed_rows``: the radix engine),
+    seen by stock's loop: after each step, each failed row's request gets ``RowFailed``
+    before the loop hands on that step's responses, and the rest of the batch goes on."""
+
+    def __init__(self, generator):
+        self._generator = generator
+        self._queues: dict[int, Queue] = {}  # uid -> its request's response queue
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def insert_segments(self, segments, *args, **kwargs):
+        uids = self._generator.insert_segments(segments, *args, **kwargs)
+        queue, _joining.queue = getattr(_joining, "queue", None), None
+        if queue is not None and len(uids) == 1:  # stock inserts one request at a time
+            self._queues[uids[0]] = queue
+        return uids
+
+    def next(self):
+        responses = self._generator.next()
+        for uid, why in self._generator.failed_rows().items():
+            queue = self._queues.pop(uid, None)
+            if queue is not None:
+                queue.put(
+                    RowFailed(
+                        f"this request failed in a generation step ({why}); the other "
+                        "requests of its batch went on"
+                    )
+                )
+        for r in responses[1]:
+            if r.finish_reason is not None:
+                self._queues.pop(r.uid, None)
+        return responses
+
+    def remove(self, uids, *args, **kwargs):
+        for uid in uids:
+            self._queues.pop(uid, None)
+        return self._generator.remove(uids, *args, **kwargs)
 
 
 def context_length(model: object) -> int | None:
@@ -283,7 +340,7 @@ def _batch_generator(model, **kwargs):
     generator = _hook().mlx_lm_batch_generator(model=model, kwargs=kwargs)
     if generator is None:
         generator = _Installed.stock["BatchGenerator"](model, **kwargs)
-    return generator
+    return _RowErrors(generator) if hasattr(generator, "failed_rows") else generator
 
 
 def _waiting_budget_class(stock):
@@ -420,7 +477,8 @@ def _response_generator_class(stock, budget):
                 )
             if limit is not None:
                 _clamp_max_tokens(args, limit - len(prompt) + 1, len(prompt), limit)
-            # Stock fetches this request's cache next, on this thread.
+            # Stock fetches this request's cache next, on this thread, then inserts its row.
+            _joining.queue = self.requests.responses_of(request)
             if isinstance(self.prompt_cache, SaltedPromptCache):
                 self.prompt_cache.salt = getattr(request, "cache_salt", None)
             return (prompt, *rest)

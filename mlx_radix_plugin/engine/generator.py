@@ -17,6 +17,8 @@ sequences and removal; its batch caches become pool-backed through
   uncached from the batch buffer;
 - the decode path (``decode_path.py``), and decode steps that sample, bias and read their
   rows in bulk (``decode_step.py``);
+- a row whose logits processors or sampler raise is failed alone (``row_faults.py``): the
+  server hears of it through ``failed_rows``;
 - a hybrid model's recurrent-state snapshots (``cache/recurrent.py``): the positions a
   request should leave a snapshot at become ends of its prefill segments, where the
   state is taken, and while it decodes, the state at the last page boundary it crossed.
@@ -46,6 +48,7 @@ from . import attention, prefill_path
 from .decode_path import DecodePath, backend, rule_for
 from .decode_step import BulkGenerationBatch
 from .prefill_path import PoolPromptBatch
+from .row_faults import RowFaults
 from .step_clock import StepClock
 
 log = logging.getLogger("mlx_radix")
@@ -123,6 +126,8 @@ class RadixBatchGenerator(BatchGenerator):
         radix.share_inflight, radix.inflight_engine = True, id(self)
         self._ran = False
         self._passed_over: dict[int, int] = {}  # uid -> later requests started before it
+        self.faults = RowFaults()
+        self._failed_rows: dict[int, str] = {}
         if radix.recurrent and shared_prefix != "off":
             log.info("shared-prefix decode off: a hybrid model's batch holds recurrent states")
             shared_prefix = "off"
@@ -255,8 +260,21 @@ class RadixBatchGenerator(BatchGenerator):
             table.recurrent.start = start  # its state is the one it was fetched with
         table.depends = None
 
-    def insert_segments(self, segments, *args, **kwargs):
-        uids = super().insert_segments(segments, *args, **kwargs)
+    def insert_segments(
+        self,
+        segments,
+        max_tokens=None,
+        caches=None,
+        all_tokens=None,
+        samplers=None,
+        logits_processors=None,
+        stop_sequences=None,
+    ):
+        coming = list(range(self._uid_count, self._uid_count + len(segments)))
+        samplers, logits_processors = self.faults.guard(coming, samplers, logits_processors)
+        uids = super().insert_segments(
+            segments, max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences
+        )
         if self.radix.recurrent:
             for sequence in list(self._unprocessed_sequences)[-len(uids) :]:
                 table = _table(sequence)
@@ -290,6 +308,13 @@ class RadixBatchGenerator(BatchGenerator):
         track.wanted = set()
         for position in sorted(w for w in wanted if start < w < total):
             track.want(position)
+
+    def failed_rows(self) -> dict[int, str]:
+        """Requests whose own work failed in a step since the last call (``uid -> why``),
+        each ended at its next step while the rest of the batch goes on: the server
+        answers them with an error (mlx_lm_hooks' ``RowFailed``)."""
+        failed, self._failed_rows = self._failed_rows, {}
+        return failed
 
     def remove(self, uids, return_prompt_caches=False):
         # mlx_lm.server keeps the last fetched cache in a local until its next request:
@@ -466,6 +491,7 @@ class RadixBatchGenerator(BatchGenerator):
                 responses = super()._next()
         finally:
             self.prefill_batch_size = configured
+        self._failed_rows.update(self.faults.take(self._generation_batch))
         if self.first_tokens_at_once:
             prompt_responses, generation_responses = responses
             first = self._generation_batch.first_tokens()

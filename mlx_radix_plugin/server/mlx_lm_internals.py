@@ -28,6 +28,7 @@ ATTRIBUTES = (
     ("mlx_lm.generate", "BatchGenerator", "_unprocessed_sequences"),  # the waiting queue
     ("mlx_lm.models.cache", "BatchKVCache", "_idx"),  # where the batch buffer's tokens end
     ("mlx_lm.generate", "BatchGenerator", "_currently_processing"),  # prefilling rows
+    ("mlx_lm.generate", "BatchGenerator", "_uid_count"),  # the uids rows will get (row_faults)
     ("mlx_lm.generate", "GenerationBatch", "_next_logprobs"),  # the step's rows, read next
     ("mlx_lm.generate", "GenerationBatch", "_token_context"),  # logits processors' contexts
     # A row's count and stop matcher, set back where a first token went out early.
