@@ -225,6 +225,14 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "on", "off"),
     ),
     Setting(
+        "server.queue_timeout",
+        300.0,
+        "seconds a request may wait to start (for pool room or a place in the batch) before "
+        "it is answered 503 with Retry-After",
+        minimum=0.0,
+        exclusive_minimum=True,
+    ),
+    Setting(
         "agents.billing_header",
         False,
         "render Claude Code's billing line (x-anthropic-billing-header, the system prompt's "

@@ -5,6 +5,7 @@ traceback, or, at -1, a handler waiting for the client to leave), one past the s
 and the plugins', in one process and behind the HTTP front."""
 
 import socket
+import time
 
 import pytest
 from servers import mlx_lm_server
@@ -45,3 +46,26 @@ def test_a_body_the_server_cannot_frame_is_refused_before_it_is_read(start, fron
     for (path, header, status, data), (want, message) in zip(got, expected):
         assert status == want and message in data, (path, header, data)
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("front", ["off", "on"])
+def test_connections_past_the_bound_get_503_and_the_bound_frees_as_they_close(start, front):  # noqa: F811
+    """Each connection holds a handler thread; stock started one for any number of them.
+    Past ``MLX_LM_MAX_CONNECTIONS`` a connection gets 503 with ``Retry-After`` at once."""
+    env = {"MLX_RADIX_SERVER_FRONT": front, "MLX_LM_MAX_CONNECTIONS": "4"}
+    with start(mlx_lm_server("--plugin", "radix"), env) as server:
+        held = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(4)]
+        for s in held:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\n")  # half a request: its thread waits
+        status, data = answer(server.port, "/v1/completions", "Content-Length: 2\r\n")
+        for s in held:
+            s.close()
+        healthy = False
+        for _ in range(50):  # their threads see the closed sockets and end
+            healthy = server.get("/health")[0] == 200
+            if healthy:
+                break
+            time.sleep(0.1)
+    assert healthy
+    assert status == 503 and b"Retry-After: 1" in data, data
+    assert b"serves 4 connections at once (MLX_LM_MAX_CONNECTIONS)" in data

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from http.server import ThreadingHTTPServer
 from queue import Queue
@@ -92,6 +92,10 @@ MAX_BODY_BYTES = int(os.environ.get("MLX_LM_MAX_BODY_BYTES", 64 << 20))
 # Seconds a handler waits on its socket (headers, a body, a write) before it gives up: 300
 # half-sent bodies held 300 threads for as long as their clients liked.
 SOCKET_TIMEOUT_S = 120
+# Connections served at once (``MLX_LM_MAX_CONNECTIONS``): each holds a handler thread, and
+# stock's server started one for every connection, without bound. One past it gets 503 at
+# once. Agent clients hold one or two each.
+MAX_CONNECTIONS = int(os.environ.get("MLX_LM_MAX_CONNECTIONS", 256))
 
 # How often a request's tokens look at its connection: a client that hung up is noticed
 # within this of its next token, and its row leaves the batch at the next step.
@@ -135,6 +139,18 @@ class RowFailed(GenerationFailed):
     rest of its batch went on."""
 
 
+class Overloaded(GenerationFailed):
+    """The request waited its time in the queue without starting; the client gets HTTP 503
+    with ``Retry-After: retry_after`` (an error event on a stream that began)."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self):  # across the front's pipe, with its delay
+        return type(self), (str(self), self.retry_after)
+
+
 class _RequestQueue(Queue):
     """The generation thread's queue of requests, remembering each one's response queue
     (while its handler still holds it) so that a failed step can answer them."""
@@ -155,19 +171,50 @@ class _RequestQueue(Queue):
         return self._of.get(id(request))
 
 
-# The response queue of the request the generation thread is tokenizing: stock's loop
-# inserts its row next, on the same thread (``_RowErrors.insert_segments``).
+# The response queue and context of the request the generation thread is taking: stock's
+# loop tokenizes it, makes its context, then inserts its row, on this thread
+# (``_RowErrors.insert_segments``).
 _joining = threading.local()
 
 
+def _context_class(stock):
+    class GenerationContext(stock):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _joining.context = self
+
+        def __reduce__(self):  # across the front's pipe as stock's, by its fields
+            return _context, ({f.name: getattr(self, f.name) for f in fields(self)},)
+
+    return GenerationContext
+
+
+def _context(values: dict):
+    import mlx_lm.server as server
+
+    return _Installed.stock.get("GenerationContext", server.GenerationContext)(**values)
+
+
+@dataclass
+class _Left:
+    """A prompt response for a request the generator dropped (``failed_rows``): stock's loop
+    reads it, sees the request stopped and forgets it, as a stopped request's."""
+
+    uid: int
+    progress: tuple = (0, 0)
+    end_of_segment: bool = False
+    end_of_prompt: bool = False
+
+
 class _RowErrors:
-    """A batch generator that can fail a row alone (``failed_rows``: the radix engine),
-    seen by stock's loop: after each step, each failed row's request gets ``RowFailed``
-    before the loop hands on that step's responses, and the rest of the batch goes on."""
+    """A batch generator that can fail or refuse a request alone (``failed_rows``: the radix
+    engine), seen by stock's loop: after each step, each such request gets its error before
+    the loop hands on that step's responses, is stopped and forgotten, and the rest of the
+    batch goes on."""
 
     def __init__(self, generator):
         self._generator = generator
-        self._queues: dict[int, Queue] = {}  # uid -> its request's response queue
+        self._rows: dict[int, tuple] = {}  # uid -> (response queue, context)
 
     def __getattr__(self, name):
         return getattr(self._generator, name)
@@ -175,29 +222,31 @@ class _RowErrors:
     def insert_segments(self, segments, *args, **kwargs):
         uids = self._generator.insert_segments(segments, *args, **kwargs)
         queue, _joining.queue = getattr(_joining, "queue", None), None
-        if queue is not None and len(uids) == 1:  # stock inserts one request at a time
-            self._queues[uids[0]] = queue
+        context, _joining.context = getattr(_joining, "context", None), None
+        if queue is not None and context is not None and len(uids) == 1:  # stock: one a call
+            self._rows[uids[0]] = (queue, context)
         return uids
 
     def next(self):
-        responses = self._generator.next()
-        for uid, why in self._generator.failed_rows().items():
-            queue = self._queues.pop(uid, None)
-            if queue is not None:
-                queue.put(
-                    RowFailed(
-                        f"this request failed in a generation step ({why}); the other "
-                        "requests of its batch went on"
-                    )
-                )
-        for r in responses[1]:
+        prompt_responses, responses = self._generator.next()
+        for uid, error in self._generator.failed_rows().items():
+            row = self._rows.pop(uid, None)
+            if row is None:
+                continue
+            queue, context = row
+            if not isinstance(error, GenerationFailed):
+                error = RowFailed(f"this request failed in a generation step ({error})")
+            queue.put(error)
+            context.stop()
+            prompt_responses = [*prompt_responses, _Left(uid)]
+        for r in responses:
             if r.finish_reason is not None:
-                self._queues.pop(r.uid, None)
-        return responses
+                self._rows.pop(r.uid, None)
+        return prompt_responses, responses
 
     def remove(self, uids, *args, **kwargs):
         for uid in uids:
-            self._queues.pop(uid, None)
+            self._rows.pop(uid, None)
         return self._generator.remove(uids, *args, **kwargs)
 
 
@@ -242,6 +291,7 @@ SERVER_NAMES = (
     "TimeBudget",
     "_make_sampler",
     "_make_logits_processors",
+    "GenerationContext",
 )
 
 
@@ -279,6 +329,7 @@ def install(pm: pluggy.PluginManager) -> None:
         _Installed.stock["ResponseGenerator"], _waiting_budget_class(server.TimeBudget)
     )
     server._run_http_server = _run_http_server
+    server.GenerationContext = _context_class(_Installed.stock["GenerationContext"])
     # Requests with the same sampling settings share a sampler, and a logit bias is readable,
     # so that a batch can sample and bias its rows at once (sampling.py).
     sampling = Sampling(
@@ -693,6 +744,9 @@ def _handler_class():
                 elif isinstance(error, GenerationFailed):
                     status_code = 503
             super()._set_completion_headers(status_code)
+            error = sys.exc_info()[1]
+            if status_code == 503 and isinstance(error, Overloaded):
+                self.send_header("Retry-After", str(error.retry_after))
 
         def handle_completion(self, request, stop_words):
             try:
@@ -772,6 +826,46 @@ class HTTPServer(ThreadingHTTPServer):
     # socketserver's default backlog of 5 resets connections beyond it: 16 clients
     # connecting at once lose some. The kernel caps this at its own somaxconn.
     request_queue_size = 128
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request) -> None:
+        """503 on a connection past ``MAX_CONNECTIONS``, written from the listening thread
+        without reading the request (a second at most), then closed."""
+        body = json.dumps(
+            {
+                "error": f"the server serves {MAX_CONNECTIONS} connections at once "
+                "(MLX_LM_MAX_CONNECTIONS): try again shortly"
+            }
+        ).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        try:
+            request.settimeout(1)
+            request.sendall(head.encode() + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
 
 def _run_http_server(host, port, response_generator, server_class=None, handler_class=None):

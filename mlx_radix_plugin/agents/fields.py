@@ -25,6 +25,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.param = param
+        self.retry_after: int | None = None  # seconds, for a 503's Retry-After
         self.kind = kind or {
             400: "invalid_request_error",
             404: "not_found_error",

@@ -81,13 +81,16 @@ def _serve(request: RouteRequest, api, read) -> RouteResponse:
     except Exception as e:
         log.exception("%s failed", request.path)
         error = _failure(e)
-        return RouteResponse(error.status, api.error_body(error))
+        headers = {"Retry-After": str(error.retry_after)} if error.retry_after else {}
+        return RouteResponse(error.status, api.error_body(error), headers=headers)
 
 
 def _failure(error: Exception) -> f.ApiError:
     """What a client hears of a request that failed after it started."""
     if isinstance(error, GenerationFailed):
-        return f.ApiError(503, str(error))
+        failed = f.ApiError(503, str(error))
+        failed.retry_after = getattr(error, "retry_after", None)  # Overloaded's
+        return failed
     return f.ApiError(500, f"internal error: {type(error).__name__}: {error}")
 
 

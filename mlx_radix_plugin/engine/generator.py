@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from functools import partial
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache
+from mlx_lm_hooks.server import Overloaded, RowFailed
 
 from ..cache.batch import rows_of
 from ..cache.page_table import PageTable
@@ -55,6 +57,10 @@ log = logging.getLogger("mlx_radix")
 
 # How many later requests may start before one that waits for pool room (aging).
 MAX_PASSES = 4
+# What a request that waited out its queue time is told to wait before it tries again: the
+# running requests it waited behind may run for minutes (an agent's turn asks for up to
+# 128,000 tokens), so sooner would mostly meet the same queue.
+RETRY_AFTER_S = 30
 
 
 def _pool_cache(sequence) -> PoolBackedCache | None:
@@ -107,6 +113,7 @@ class RadixBatchGenerator(BatchGenerator):
         prefill_attention: str = "auto",
         snapshot_every: int = 64,
         clock: StepClock | None = None,
+        queue_timeout: float | None = None,
         **kwargs,
     ):
         """``shared_prefix``: ``auto``, ``on`` or ``off`` (engine/decode_path.py);
@@ -116,7 +123,9 @@ class RadixBatchGenerator(BatchGenerator):
         ``prefill_attention``: ``auto`` or ``off`` (engine/prompt_attention.py);
         ``snapshot_every``: pages between a hybrid model's prefill snapshots (0: none);
         ``clock``: where its decode steps' time is counted (the server's, which outlives its
-        engines; engine/step_clock.py)."""
+        engines; engine/step_clock.py);
+        ``queue_timeout``: seconds a request may wait to start before it is refused with
+        ``Overloaded`` (None: no limit)."""
         super().__init__(model, **kwargs)
         # Decode steps take every row's sampling and logit bias in bulk (decode_step.py).
         self._generation_batch = BulkGenerationBatch.empty(self.model, self.sampler)
@@ -127,7 +136,9 @@ class RadixBatchGenerator(BatchGenerator):
         self._ran = False
         self._passed_over: dict[int, int] = {}  # uid -> later requests started before it
         self.faults = RowFaults()
-        self._failed_rows: dict[int, str] = {}
+        self._failed_rows: dict[int, Exception] = {}
+        self.queue_timeout = queue_timeout
+        self._queued_at: dict[int, float] = {}  # uid -> when it was inserted, until it starts
         if radix.recurrent and shared_prefix != "off":
             log.info("shared-prefix decode off: a hybrid model's batch holds recurrent states")
             shared_prefix = "off"
@@ -275,6 +286,8 @@ class RadixBatchGenerator(BatchGenerator):
         uids = super().insert_segments(
             segments, max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences
         )
+        now = time.monotonic()
+        self._queued_at.update((uid, now) for uid in uids)
         if self.radix.recurrent:
             for sequence in list(self._unprocessed_sequences)[-len(uids) :]:
                 table = _table(sequence)
@@ -309,12 +322,33 @@ class RadixBatchGenerator(BatchGenerator):
         for position in sorted(w for w in wanted if start < w < total):
             track.want(position)
 
-    def failed_rows(self) -> dict[int, str]:
-        """Requests whose own work failed in a step since the last call (``uid -> why``),
-        each ended at its next step while the rest of the batch goes on: the server
-        answers them with an error (mlx_lm_hooks' ``RowFailed``)."""
+    def failed_rows(self) -> dict[int, Exception]:
+        """Requests refused or failed alone since the last call, ``uid -> the error`` their
+        clients get (mlx_lm_hooks' ``RowFailed``: its own work failed in a step, and the row
+        ends at its next step; ``Overloaded``: it waited ``queue_timeout`` without starting,
+        and left the queue). The rest of the batch goes on."""
         failed, self._failed_rows = self._failed_rows, {}
         return failed
+
+    def _expire_queued(self) -> None:
+        """Requests that waited ``queue_timeout`` without starting leave the queue, refused.
+        A prompt waits while its pages cannot be reserved and running requests hold them,
+        and while the batch is full: requests that run long (an agent's turn asks for up to
+        128,000 tokens) kept later ones waiting without end."""
+        if self.queue_timeout is None or not self._unprocessed_sequences:
+            return
+        since = time.monotonic() - self.queue_timeout
+        late = [s[0] for s in self._unprocessed_sequences if self._queued_at.get(s[0], 0) < since]
+        if not late:
+            return
+        self.remove(late)
+        for uid in late:
+            log.warning("request %d waited %g s without starting: refused", uid, self.queue_timeout)
+            self._failed_rows[uid] = Overloaded(
+                f"this request waited {self.queue_timeout:g} s (server.queue_timeout) for the "
+                "requests before it to make room, and did not start: send it again later",
+                RETRY_AFTER_S,
+            )
 
     def remove(self, uids, return_prompt_caches=False):
         # mlx_lm.server keeps the last fetched cache in a local until its next request:
@@ -322,6 +356,7 @@ class RadixBatchGenerator(BatchGenerator):
         tables = [] if return_prompt_caches else self._tables_of(uids)
         for uid in uids:
             self._passed_over.pop(uid, None)
+            self._queued_at.pop(uid, None)
         caches = super().remove(uids, return_prompt_caches)
         for table in tables:
             self.radix.release(table)
@@ -363,6 +398,7 @@ class RadixBatchGenerator(BatchGenerator):
                 waiting_for_room.append(s[0])
         for s in ready:
             self._passed_over.pop(s[0], None)
+            self._queued_at.pop(s[0], None)
         chosen = {id(s) for s in ready}
         waiting = [s for s in self._unprocessed_sequences if id(s) not in chosen]
         self._unprocessed_sequences = deque(ready + waiting)
@@ -491,7 +527,17 @@ class RadixBatchGenerator(BatchGenerator):
                 responses = super()._next()
         finally:
             self.prefill_batch_size = configured
-        self._failed_rows.update(self.faults.take(self._generation_batch))
+        self._failed_rows.update(
+            (
+                uid,
+                RowFailed(
+                    f"this request failed in a generation step ({why}); the other "
+                    "requests of its batch went on"
+                ),
+            )
+            for uid, why in self.faults.take(self._generation_batch).items()
+        )
+        self._expire_queued()
         if self.first_tokens_at_once:
             prompt_responses, generation_responses = responses
             first = self._generation_batch.first_tokens()

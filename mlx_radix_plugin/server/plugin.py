@@ -159,6 +159,7 @@ class RadixPlugin:
                 prefill_shared=self.config["prefill.shared_prefix"],
                 prefill_attention=self.config["prefill.attention"],
                 snapshot_every=self.config["radix.snapshot_every"],
+                queue_timeout=self.config["server.queue_timeout"],
                 clock=self.step_clock,
                 **capped,
             )
