@@ -316,11 +316,13 @@ class FrontGenerator:
         if isinstance(ctx, BaseException):
             raise ctx
         ctx.stop = partial(self._stop, rid)
-        from .server import _handling, watched
+        from .server import _handling, awaited, watched
+
+        connection = getattr(_handling, "connection", None)
 
         def responses():
             while True:
-                item = queue.get()
+                item = awaited(queue, connection, ctx.stop)
                 if item is None:
                     return
                 if isinstance(item, BaseException):
@@ -331,7 +333,7 @@ class FrontGenerator:
                     continue
                 yield item
 
-        return ctx, watched(responses(), getattr(_handling, "connection", None), ctx.stop)
+        return ctx, watched(responses(), connection, ctx.stop)
 
     def _stop(self, rid: int) -> None:
         if self._queues.pop(rid, None) is None:

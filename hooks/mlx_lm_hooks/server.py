@@ -45,7 +45,7 @@ import weakref
 from dataclasses import dataclass, fields
 from functools import partial
 from http.server import ThreadingHTTPServer
-from queue import Queue
+from queue import Empty, Queue
 from urllib.parse import urlsplit
 
 import pluggy
@@ -127,6 +127,23 @@ def watched(responses, connection: socket.socket | None, stop):
             if r.finish_reason is None and hung_up(connection):
                 stop()
                 raise ClientGone("the client closed its connection")
+
+
+def awaited(queue: Queue, connection: socket.socket | None, stop, alive=lambda: True):
+    """The next item of a request's response ``queue``, looking at the client every
+    ``HANGUP_CHECK_S`` while none comes: a client that left gets ``stop()`` and
+    ``ClientGone``. ``watched`` looks only as tokens come, and a request waiting in the queue
+    for pool room or a place in the batch has none: it kept what it matched until it
+    started. ``alive()`` false: the generation thread died (stock's ``RuntimeError``)."""
+    while True:
+        try:
+            return queue.get(timeout=HANGUP_CHECK_S)
+        except Empty:
+            if not alive():
+                raise RuntimeError("generation thread died") from None
+            if connection is not None and hung_up(connection):
+                stop()
+                raise ClientGone("the client closed its connection") from None
 
 
 class GenerationFailed(RuntimeError):
@@ -242,6 +259,14 @@ class _RowErrors:
         for r in responses:
             if r.finish_reason is not None:
                 self._rows.pop(r.uid, None)
+        # A request stopped before its row made a response (its client left while it waited
+        # to start) is forgotten now: stock's loop looks at a request's stop only as its
+        # responses come, and until then it held what it matched.
+        stopped = [uid for uid, (_, context) in self._rows.items() if context._should_stop]
+        for uid in stopped:
+            del self._rows[uid]
+        if stopped:
+            prompt_responses = [*prompt_responses, *map(_Left, stopped)]
         return prompt_responses, responses
 
     def remove(self, uids, *args, **kwargs):
@@ -562,9 +587,19 @@ def _response_generator_class(stock, budget):
             self._prefetcher.close()
 
         def generate(self, request, generation_args, progress_callback=None):
+            _handling.ctx = None  # the first item is the context: it comes within a step
             ctx, responses = super().generate(request, generation_args, progress_callback)
+            _handling.ctx = ctx
             connection = getattr(_handling, "connection", None)
             return ctx, self._observed(ctx, watched(responses, connection, ctx.stop))
+
+        def _await_response(self, response_queue):
+            # On a handler's thread, once its request's context is in hand.
+            ctx = getattr(_handling, "ctx", None)
+            connection = getattr(_handling, "connection", None)
+            if ctx is None or connection is None:
+                return super()._await_response(response_queue)
+            return awaited(response_queue, connection, ctx.stop, self.generation_available)
 
         def _observed(self, ctx, responses):
             start, generated, reason = time.perf_counter(), 0, None
