@@ -48,6 +48,14 @@ def test_what_no_step_could_run_is_refused_naming_the_field(args, message):
     assert str(e.value).startswith(message), str(e.value)
 
 
+def test_a_prompt_of_anything_but_the_models_token_ids_is_refused():
+    validation.check_prompt([0, 5, VOCAB - 1], VOCAB)
+    with pytest.raises(InvalidSampling, match="^prompt: must be one string; it tokenized to list"):
+        validation.check_prompt([[1, 2], [3]], VOCAB)
+    with pytest.raises(InvalidSampling, match="^prompt: token ids must be from 0 to 1023"):
+        validation.check_prompt([3, VOCAB], VOCAB)
+
+
 def test_what_a_step_can_run_passes_and_a_route_names_its_own_field():
     edges = arguments(top_k=VOCAB - 1, logit_bias={0: -100.0, VOCAB - 1: 5})
     validation.check_sampling(edges, VOCAB)
@@ -68,6 +76,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": HI, "stop": ["x"] * 300}, "stop: at most"),
     ("/v1/messages", {"messages": HI, "top_k": 100000, "temperature": 0.5}, "top_k: must be"),
     ("/v1/messages", {"messages": HI, "stop_sequences": ["x"] * 300}, "stop_sequences: at most"),
+    # A list of strings tokenizes to a list of lists (found by the fuzzer: it failed the
+    # prompt cache's lookup, and with it the batch).
+    ("/v1/completions", {"prompt": ["Hi", "there"]}, "prompt: must be one string"),
 ]
 
 

@@ -56,7 +56,7 @@ from .routes import RouteRequest, RouteResponse, RouteTable
 from .salt import BadSalt, SaltedPromptCache, parse_salt
 from .sampling import Sampling
 from .tokenizing import MAX_AHEAD, Prefetcher
-from .validation import InvalidSampling, check_sampling, vocab_size
+from .validation import InvalidSampling, check_prompt, check_sampling, vocab_size
 
 log = logging.getLogger("mlx_lm_hooks")
 
@@ -542,6 +542,7 @@ def _response_generator_class(stock, budget):
                 raise RequestRefused("the prompt is empty: send at least one token of text")
             model = self.model_provider.model
             try:
+                check_prompt(prompt, vocab_size(model))
                 check_sampling(args, vocab_size(model), getattr(request, "param_names", None))
             except InvalidSampling as e:
                 raise RequestRefused(str(e)) from e

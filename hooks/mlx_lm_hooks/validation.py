@@ -96,6 +96,25 @@ def check_sampling(args, vocab: int | None, names: dict[str, str] | None = None)
             )
 
 
+def check_prompt(prompt: list, vocab: int | None) -> None:
+    """Refuse (``InvalidSampling``, on ``prompt``) a tokenized prompt whose items are not the
+    model's token ids. A completion's ``prompt`` given as a list of strings tokenizes, in
+    Hugging Face's tokenizers, to a list of lists: it reached the prompt cache's lookup and
+    failed the step of every request in the batch (found by tests/test_fuzz.py)."""
+    if not all(type(t) is int for t in prompt):
+        bad = next(t for t in prompt if type(t) is not int)
+        raise InvalidSampling(
+            "prompt",
+            f"must be one string; it tokenized to {type(bad).__name__} items, not token ids",
+        )
+    if vocab is not None and not 0 <= min(prompt) <= max(prompt) < vocab:
+        raise InvalidSampling(
+            "prompt",
+            f"token ids must be from 0 to {vocab - 1} (the model's), "
+            f"got {min(prompt)} to {max(prompt)}",
+        )
+
+
 def _finite(name: str, value, low: float | None, high: float | None) -> None:
     if (
         not math.isfinite(value)
