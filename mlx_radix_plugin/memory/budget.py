@@ -226,18 +226,33 @@ MIN_BUFFER_CACHE_BYTES = 256 << 20
 
 
 def buffer_cache_limit(
-    fraction: float, memory: DeviceMemory, model_bytes: int, pool_bytes: int, buffer_bytes: int = 0
+    fraction: float,
+    memory: DeviceMemory,
+    model_bytes: int,
+    pool_bytes: int,
+    buffer_bytes: int = 0,
+    working_bytes: int | None = None,
 ) -> int:
     """Bytes MLX may keep in its cache of freed buffers: ``fraction`` of what the device has
     left after the model, the pool and the batch buffers (``buffer_bytes``, the plan's reserve
-    for them), and at least ``MIN_BUFFER_CACHE_BYTES`` so that a step's buffers are still
-    reused. A cached buffer counts in the process's resident memory: on 2 CPU cores, a burst
-    of 8 on a new 1,024-token prefix (SmolLM2's shape, float32) peaked at 2.0 GB resident with
-    1.1 GB allowed and 1.5 GB with 256 MiB."""
+    for them), at most the plan's working memory (``working_bytes``), and at least
+    ``MIN_BUFFER_CACHE_BYTES`` so that a step's buffers are still reused.
+
+    A cached buffer counts in the process's resident memory: on 2 CPU cores, a burst of 8 on
+    a new 1,024-token prefix (SmolLM2's shape, float32) peaked at 2.0 GB resident with 1.1 GB
+    allowed and 1.5 GB with 256 MiB. The cache holds what the engine's calls freed, so more
+    than their working memory keeps buffers no call reuses: where the user sized a small
+    pool, a quarter of the rest was 6.2 GB, and a 24,576-token prompt on a wide tiny model
+    (4 heads, 32,768-token pool, 322 MB of working memory) grew the server by 4.88 GB in
+    28.1 s, against 0.78 GB in 22.4 s with 256 MiB (its passes' scores change size as the
+    keys grow, so each pass's freed buffers were kept and not reused)."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"buffer_cache_fraction must be in (0, 1], got {fraction!r}")
     left = memory.usable_bytes - model_bytes - pool_bytes - buffer_bytes
-    return max(MIN_BUFFER_CACHE_BYTES, int(left * fraction))
+    limit = int(left * fraction)
+    if working_bytes is not None:
+        limit = min(limit, working_bytes)
+    return max(MIN_BUFFER_CACHE_BYTES, limit)
 
 
 # Chunks of the pool's storage (pool.py). A read that spans chunks costs more operations: on 2

@@ -342,11 +342,13 @@ class ServerPromptCache:
         if not fraction:
             return
         pool_bytes = reserve = 0
+        working = None
         if self.radix is not None:
             pool = self.radix.pool  # built by KVPool.for_model: it has a plan
             pool_bytes, reserve = pool.max_nbytes, pool.plan.buffer_reserve_bytes or 0
+            working = pool.plan.working_bytes
         limit = buffer_cache_limit(
-            fraction, device_memory(), model_nbytes(model), pool_bytes, reserve
+            fraction, device_memory(), model_nbytes(model), pool_bytes, reserve, working
         )
         mx.set_cache_limit(limit)
         self.buffer_cache_limit = limit
