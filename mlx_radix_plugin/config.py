@@ -178,6 +178,14 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "on", "off"),
     ),
     Setting(
+        "decode.compile",
+        "auto",
+        "a decode step's Llama layers as compiled calls around the cache and attention, so "
+        "that building the step costs the host less (auto: on; off: mlx-lm's layer code; "
+        "the same operations, stock's logits bitwise on the CPU)",
+        choices=("auto", "off"),
+    ),
+    Setting(
         "decode.warmup",
         "auto",
         "at model load, run the engine's paths once on a scratch pool, so that the first "

@@ -109,6 +109,7 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
         "decode.shared_prefix": "on",
         "prefill.shared_prefix": "auto",
         "model.fuse_projections": "auto",
+        "decode.compile": "auto",
         "server.front": "on",  # every workload through the HTTP front, as on a GPU
         "radix.hold_to_plan": True,
     }

@@ -17,7 +17,7 @@ from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 from ..agents import plugin as agents
 from ..cache.prompt_cache import idle_stats
 from ..config import Config, ConfigError, exit_with_usage_error, load_config
-from ..engine import fused_projections, warmup
+from ..engine import compiled_layers, fused_projections, warmup
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
 from ..engine.step_clock import StepClock
@@ -123,6 +123,11 @@ class RadixPlugin:
                 groups = fused_projections.prepare(model, fuse)
                 if groups:
                     log.info("radix: %d groups of projections fused", groups)
+                # After fusing: the compiled layers hold the weights as they are now.
+                if compiled_layers.enabled(self.config["decode.compile"]):
+                    layers = compiled_layers.install(model)
+                    if layers:
+                        log.info("radix: %d layers decode through compiled calls", layers)
                 if warmup.enabled(self.config["decode.warmup"]):
                     self._warm_up(model)
         if not self.config["decode.batched"]:

@@ -833,6 +833,7 @@ def started(name: str, model_dir: Path, work: Path, args):
             "MLX_RADIX_DECODE_SHARED_PREFIX": args.shared_prefix,
             "MLX_RADIX_PREFILL_SHARED_PREFIX": args.prefill_shared,
             "MLX_RADIX_MODEL_FUSE_PROJECTIONS": args.fuse_projections,
+            "MLX_RADIX_DECODE_COMPILE": args.compile,
             "MLX_RADIX_SERVER_FRONT": args.front,
             "MLX_RADIX_HOLD_TO_PLAN": str(args.hold_to_plan == "on").lower(),
             # The disk tier writes every committed page through: what that costs the steps.
@@ -1166,6 +1167,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the plugin's model.fuse_projections",
     )
     p.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "off"],
+        help="the plugin's decode.compile",
+    )
+    p.add_argument(
         "--front",
         default="auto",
         choices=["auto", "on", "off"],
@@ -1281,6 +1288,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode.shared_prefix": args.shared_prefix,
             "prefill.shared_prefix": args.prefill_shared,
             "model.fuse_projections": args.fuse_projections,
+            "decode.compile": args.compile,
             "server.front": args.front,
             "radix.hold_to_plan": args.hold_to_plan == "on",
         },

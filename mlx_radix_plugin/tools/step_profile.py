@@ -130,6 +130,7 @@ def profile(model, rows: int, mode: str, steps: int, args, gpu, fuse: bool = Tru
     gen = make_generator(
         model, prompts, mode, steps + 64, processors=processors, samplers=samplers,
         pool_tokens=args.pool_tokens or None, stream=stream, fuse=fuse, chunk_mib=ONE_CHUNK_MIB,
+        compiled=args.compile == "on",
     )  # fmt: skip
     # mlx-lm's batches call the model their generator was made with.
     gen.model = gen._generation_batch.model = _TimedModel(model, clock)
@@ -225,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="stock,off", help=f"of {', '.join(MODES)}, comma-separated")
     p.add_argument(
         "--fuse", default="on", help="the engine's projections fused: on, off, or on,off"
+    )
+    p.add_argument(
+        "--compile",
+        default="on",
+        choices=["on", "off"],
+        help="the engine's Llama layers decode through compiled calls (decode.compile)",
     )
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens a row")
     p.add_argument("--steps", type=int, default=48, help="decode steps timed a point")
