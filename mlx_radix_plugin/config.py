@@ -180,7 +180,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "decode.compile",
         "auto",
-        "a decode step's Llama layers as compiled calls around the cache and attention, so "
+        "a decode step's Llama, Qwen2 and Qwen3 layers as compiled calls around the cache and "
+        "attention, so "
         "that building the step costs the host less (auto: on; off: mlx-lm's layer code; "
         "the same operations, stock's logits bitwise on the CPU)",
         choices=("auto", "off"),

@@ -1,4 +1,4 @@
-"""A decode step's Llama layers as compiled calls (engine/compiled_layers.py): the same
+"""A decode step's Llama and Qwen layers as compiled calls (engine/compiled_layers.py): the same
 operations, so the engine's logits are the uncompiled engine's bit for bit on the CPU (stock's
 on the exact path), for rows that start together and rows that join; anything but one new
 token a row over the engine's batch caches runs mlx-lm's own code."""
@@ -17,8 +17,9 @@ from tiny_models import ARCHS
 from mlx_radix_plugin.engine import compiled_layers, fused_projections
 from mlx_radix_plugin.tools.step_profile import graph_ops
 
-# The tiny models built on mlx-lm's Llama classes (mistral's module is llama's).
-COMPILED = {"llama": 2, "mistral": 2}
+# The tiny models built on mlx-lm's Llama, Qwen2 and Qwen3 classes (mistral's are llama's):
+# their layers compiled.
+COMPILED = {"llama": 2, "mistral": 2, "qwen2": 2, "qwen3": 2}
 
 
 @contextlib.contextmanager
@@ -82,7 +83,7 @@ def test_calls_that_are_no_batch_decode_step_run_mlx_lms_code_and_the_model_is_t
         expected, plain_ops = logits_and_ops()
     with served(model, compiled=True) as layers:
         assert layers == 2 and all(
-            type(layer) is compiled_layers.CompiledBlock for layer in model.layers
+            type(layer).__name__ == "CompiledLlamaBlock" for layer in model.layers
         )
         got, ops = logits_and_ops()
         assert model_fingerprint(model) == fingerprint

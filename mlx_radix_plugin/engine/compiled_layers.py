@@ -3,8 +3,8 @@
 A decode step's device work on a small model is a millisecond or less, and the host's work
 building its graph sets the pace: mlx-lm's layer makes about twenty MLX calls from Python
 (the norm, the projections, reshapes, RoPE, the residuals, the MLP), each some microseconds
-of the host's time. Here a layer of mlx-lm's Llama classes (``mlx_lm.models.llama``: Llama,
-and the models built from them) decodes as ``mx.compile``'d calls: what comes before the
+of the host's time. Here a layer of mlx-lm's Llama, Qwen2 or Qwen3 classes (and of the models
+built from them: Mistral's is Llama's) decodes as ``mx.compile``'d calls: what comes before the
 cache (the norm, q/k/v, their reshapes and RoPE at the rows' offsets) and what comes after the
 attention (the output projection, the residuals, the MLP); the cache's update and the attention
 call stay the engine's, in Python, as before. A compiled call replays the graph it traced, once
@@ -20,22 +20,35 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2, qwen3
 
 MODES = ("auto", "off")
 
+# Layer classes whose decode compiles, with the module whose attention call site the engine
+# routes (engine/attention.py patches each module's name) and their attention and MLP classes:
+# each attention reshapes, (Qwen3) normalizes q and k per head, transposes and applies RoPE in
+# this order, and each block is ``h = x + attn(norm(x)); h + mlp(norm(h))``.
+LAYERS = {
+    llama.TransformerBlock: (llama, llama.Attention, llama.MLP),
+    qwen2.TransformerBlock: (qwen2, qwen2.Attention, qwen2.MLP),
+    qwen3.TransformerBlock: (qwen3, qwen3.Attention, qwen3.MLP),
+}
 
-def _parts(layer: llama.TransformerBlock) -> tuple:
+
+def _parts(layer: nn.Module) -> tuple:
     """The layer's two halves, compiled (each traced once a batch size)."""
     attn, mlp = layer.self_attn, layer.mlp
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
     def before(x: mx.array, offset: mx.array):
         B, L, _ = x.shape
         h = layer.input_layernorm(x)
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        q = q.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
-        k = k.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = q.reshape(B, L, heads, -1), k.reshape(B, L, kv_heads, -1)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
         return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
 
@@ -47,8 +60,10 @@ def _parts(layer: llama.TransformerBlock) -> tuple:
     return mx.compile(before), mx.compile(after)
 
 
-class CompiledBlock(llama.TransformerBlock):
-    """mlx-lm's Llama layer, decoding through its compiled halves where it can."""
+class _Compiled:
+    """A layer that decodes through its compiled halves where it can, else as its class."""
+
+    module = llama  # where its attention call site is looked up, at each call
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         offset = getattr(cache, "offset", None)
@@ -57,38 +72,46 @@ class CompiledBlock(llama.TransformerBlock):
         before, after = self.__dict__["_compiled"]
         queries, keys, values = before(x, offset)
         keys, values = cache.update_and_fetch(keys, values)
-        # The call site the engine routes (engine/attention.py), looked up at each call.
-        attended = llama.scaled_dot_product_attention(
+        attended = self.module.scaled_dot_product_attention(
             queries, keys, values, cache=cache, scale=self.self_attn.scale, mask=mask
         )
         return after(x, attended)
 
 
-def _compilable(module: nn.Module) -> bool:
-    return (
-        type(module) is llama.TransformerBlock
-        and type(module.self_attn) is llama.Attention
-        and type(module.mlp) is llama.MLP
+_COMPILED = {
+    block: type(
+        f"Compiled{module.__name__.rsplit('.', 1)[1].title()}Block",
+        (_Compiled, block),
+        {"module": module},
     )
+    for block, (module, _, _) in LAYERS.items()
+}
+_STOCK = {compiled: block for block, compiled in _COMPILED.items()}
+
+
+def _compilable(module: nn.Module) -> bool:
+    classes = LAYERS.get(type(module))
+    return classes is not None and (type(module.self_attn), type(module.mlp)) == classes[1:]
 
 
 def install(model: nn.Module) -> int:
-    """Compile the decode of ``model``'s Llama layers; returns how many. Call it after the
-    layers' weights are final (fused_projections.prepare): the traced graphs hold them."""
+    """Compile the decode of ``model``'s layers of ``LAYERS``; returns how many. Call it after
+    the layers' weights are final (fused_projections.prepare): the traced graphs hold them."""
     layers = 0
     for _, module in model.named_modules():
         if _compilable(module):
             module.__dict__["_compiled"] = _parts(module)
-            module.__class__ = CompiledBlock
+            module.__class__ = _COMPILED[type(module)]
             layers += 1
     return layers
 
 
 def uninstall(model: nn.Module) -> None:
-    """mlx-lm's layer class again (a benchmark's stock runs beside the engine)."""
+    """mlx-lm's layer classes again (a benchmark's stock runs beside the engine)."""
     for _, module in model.named_modules():
-        if type(module) is CompiledBlock:
-            module.__class__ = llama.TransformerBlock
+        stock = _STOCK.get(type(module))
+        if stock is not None:
+            module.__class__ = stock
             module.__dict__.pop("_compiled", None)
 
 

@@ -71,7 +71,7 @@ def make_generator(
     greedy).
     The engine's pool holds ``pool_tokens`` (default: what the prompts need); ``stream``:
     the generator's (default: mlx-lm's own generation stream); ``fuse``: the engine's model
-    with its projections fused (``model.fuse_projections``); ``compiled``: its Llama layers
+    with its projections fused (``model.fuse_projections``); ``compiled``: its Llama and Qwen layers
     decoding through compiled calls (``decode.compile``)."""
     from mlx_lm.generate import BatchGenerator
 

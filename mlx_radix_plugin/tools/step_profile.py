@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "--compile",
         default="on",
         choices=["on", "off"],
-        help="the engine's Llama layers decode through compiled calls (decode.compile)",
+        help="the engine's Llama and Qwen layers decode through compiled calls (decode.compile)",
     )
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens a row")
     p.add_argument("--steps", type=int, default=48, help="decode steps timed a point")
