@@ -232,6 +232,7 @@ class _RowErrors:
     def __init__(self, generator):
         self._generator = generator
         self._rows: dict[int, tuple] = {}  # uid -> (response queue, context)
+        self._looked = time.monotonic()  # when stopped rows were last looked for
 
     def __getattr__(self, name):
         return getattr(self._generator, name)
@@ -261,7 +262,11 @@ class _RowErrors:
                 self._rows.pop(r.uid, None)
         # A request stopped before its row made a response (its client left while it waited
         # to start) is forgotten now: stock's loop looks at a request's stop only as its
-        # responses come, and until then it held what it matched.
+        # responses come, and until then it held what it matched. Looked for as often as a
+        # hang-up is (``HANGUP_CHECK_S``), not at every step: it reads every row.
+        if time.monotonic() - self._looked < HANGUP_CHECK_S:
+            return prompt_responses, responses
+        self._looked = time.monotonic()
         stopped = [uid for uid, (_, context) in self._rows.items() if context._should_stop]
         for uid in stopped:
             del self._rows[uid]

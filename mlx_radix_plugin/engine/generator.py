@@ -335,9 +335,12 @@ class RadixBatchGenerator(BatchGenerator):
         A prompt waits while its pages cannot be reserved and running requests hold them,
         and while the batch is full: requests that run long (an agent's turn asks for up to
         128,000 tokens) kept later ones waiting without end."""
-        if self.queue_timeout is None or not self._unprocessed_sequences:
+        if self.queue_timeout is None or not self._queued_at:
             return
         since = time.monotonic() - self.queue_timeout
+        # Arrival order: a step with nobody late reads one entry, not the whole queue.
+        if next(iter(self._queued_at.values())) >= since:
+            return
         late = [s[0] for s in self._unprocessed_sequences if self._queued_at.get(s[0], 0) < since]
         if not late:
             return
