@@ -1,38 +1,89 @@
-"""``mlx-radix``: serve, config, plugins, doctor; plugins add commands through a hook."""
+"""``mlx-radix``: serve, config, cache, doctor, bench, report, soak; plugins add commands."""
 
 from __future__ import annotations
 
 import json
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from .config import (
+    BY_KEY,
+    OLD_FLAGS,
+    RENAMED,
     SETTINGS,
     ConfigError,
+    Setting,
     default_config_path,
     default_file_text,
+    deprecated,
     load_config,
     read_file,
+    render_reference,
+    setting_for,
+    toml_value,
 )
+from .tools.report import command as report_command
 
-SERVE_OPTIONS = {
-    # option name -> config key
-    "radix": "radix.enabled",
-    "batched_decode": "decode.batched",
-    "page_size": "radix.page_size",
-    "pool_tokens": "radix.pool_tokens",
-    "mem_fraction": "radix.mem_fraction",
-    "eviction": "radix.eviction",
-    "max_batch_size": "decode.max_batch_size",
-    "shared_prefix": "decode.shared_prefix",
-    "disk": "radix.disk.enabled",
-    "disk_dir": "radix.disk.dir",
-    "disk_bytes": "radix.disk.bytes",
-    "pin": "radix.pin",
+# `mlx-radix serve`'s parameters: one a setting (Setting.flag), by the key's words...
+SERVE_OPTIONS = {s.key.replace(".", "_"): s.key for s in SETTINGS}
+# ...and the old flags, hidden, by their first name's.
+OLD_SERVE_OPTIONS = {
+    "old_" + flag.split("/")[0].removeprefix("--").replace("-", "_"): flag for flag in OLD_FLAGS
 }
+
+
+def _setting_option(name: str, s: Setting) -> Callable:
+    if s.type is bool:
+        kind: dict[str, Any] = {"default": None}
+    elif s.type is list:
+        kind = {"multiple": True}
+    elif s.choices:
+        kind = {"type": click.Choice(s.choices)}
+    else:
+        kind = {"type": s.type}
+    # Bounds are the configuration's to check, with its messages; a choice's are the metavar.
+    accepted = f"; {s.accepted()}" if s.type in (int, float) else ""
+    accepted += "; repeatable" if s.type is list else ""
+    extra = f"[env var: {s.env}; default: {toml_value(s.default)}]"
+    return click.option(s.flag, name, help=f"{s.help}{accepted}  {extra}", **kind)
+
+
+def _setting_options(command: Callable) -> Callable:
+    """The options of every setting, in the table's order, then the old flags (hidden)."""
+    for name, flag in reversed(OLD_SERVE_OPTIONS.items()):
+        setting = setting_for(OLD_FLAGS[flag])
+        kind = {"default": None} if setting.type is bool else {"type": setting.type}
+        command = click.option(flag, name, hidden=True, **kind)(command)
+    for name, key in reversed(SERVE_OPTIONS.items()):
+        command = _setting_option(name, BY_KEY[key])(command)
+    return command
+
+
+def _serve_overrides(options: dict[str, Any]) -> dict[str, Any]:
+    """The settings given on the command line, by key; an old flag's value where its new
+    flag is not given, converted, with a warning."""
+    overrides = {}
+    for name, key in SERVE_OPTIONS.items():
+        value = options[name]
+        if value is not None and value != ():
+            overrides[key] = list(value) if isinstance(value, tuple) else value
+    for name, flag in OLD_SERVE_OPTIONS.items():
+        value = options[name]
+        if value is None:
+            continue
+        new, renamed = setting_for(OLD_FLAGS[flag]), RENAMED.get(OLD_FLAGS[flag])
+        if renamed is None:
+            deprecated(flag, new.flag)
+        else:
+            value = renamed.value(value, "the command line", flag)
+            deprecated(flag, f"{new.flag} {value} ({renamed.note})")
+        overrides.setdefault(new.key, value)
+    return overrides
 
 
 def _config_or_exit(**kwargs):
@@ -55,22 +106,7 @@ def cli():
     "(--model, --port, ...) is passed through; `mlx_lm.server --help` lists them.",
 )
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML file.")
-@click.option("--radix/--no-radix", default=None, help="Use the radix KV pool.")
-@click.option("--batched-decode/--no-batched-decode", default=None, help="Batch decoding.")
-@click.option("--page-size", type=int, help="Tokens per KV page.")
-@click.option("--pool-tokens", type=int, help="Pool size in tokens (0: from memory).")
-@click.option("--mem-fraction", type=float, help="Share of device memory for model + pool.")
-@click.option("--eviction", type=click.Choice(["lru", "lfu"]), help="Eviction policy.")
-@click.option("--max-batch-size", type=int, help="Most requests decoded together.")
-@click.option(
-    "--shared-prefix",
-    type=click.Choice(["auto", "on", "off"]),
-    help="Read a prefix shared by decoding requests once (off: the exact path).",
-)
-@click.option("--disk/--no-disk", default=None, help="Keep cached pages on disk too.")
-@click.option("--disk-dir", help="Where the disk tier keeps its files.")
-@click.option("--disk-bytes", type=int, help="The disk tier's budget in bytes (0: auto).")
-@click.option("--pin", multiple=True, help="A prompt file to prefill and pin (repeatable).")
+@_setting_options
 @click.option("--plugin", "plugins", multiple=True, help="Activate another plugin too.")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve(config_file, plugins, server_args, **options):
@@ -85,11 +121,18 @@ def serve(config_file, plugins, server_args, **options):
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
-    options["pin"] = list(options["pin"]) or None
-    overrides = {SERVE_OPTIONS[k]: v for k, v in options.items() if v is not None}
+    try:
+        overrides = _serve_overrides(options)
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
     _config_or_exit(cli=overrides, path=config_file)  # fail before anything starts
     plugin.configure(overrides, config_file)
     server_args = list(server_args)
+    if "log_level" in overrides:
+        # mlx_lm.server has a --log-level of its own (its logger and the root's): it gets
+        # the value too, as it did before log_level had a flag.
+        server_args += ["--log-level", overrides["log_level"]]
     if not any(a == "--model" or a.startswith("--model=") for a in server_args):
         from .models.default_model import DefaultModelError, default_model_path
 
@@ -137,6 +180,12 @@ def config_init(path, force):
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(default_file_text())
     click.echo(f"wrote {target}")
+
+
+@config.command("docs")
+def config_docs():
+    """The configuration reference, docs/configuration.md, made from the settings table."""
+    click.echo(render_reference(), nl=False)
 
 
 @config.command("validate")
@@ -251,6 +300,9 @@ def bench(args):
     from .tools.bench.command import command  # imports MLX: only when benchmarking
 
     command.main(list(args), prog_name="mlx-radix bench")
+
+
+cli.add_command(report_command)  # pure Python: imports no MLX
 
 
 @cli.command()
@@ -380,10 +432,10 @@ def _model_report(model_path, cfg, mem) -> dict:
     "one, removed after a pass].",
 )
 @click.option(
-    "--disk-bytes",
+    "--disk-mib",
     type=click.IntRange(min=0),
     default=0,
-    help="The disk tier's budget [default 0: the server's own].",
+    help="The disk tier's budget in MiB [default 0: the server's own].",
 )
 @click.option(
     "--adversaries",
@@ -402,7 +454,7 @@ def soak(
     seed,
     restart_every,
     disk_dir,
-    disk_bytes,
+    disk_mib,
     adversaries,
 ):
     """Concurrent clients against mlx_lm.server --plugin radix, invariants checked as it
@@ -424,7 +476,7 @@ def soak(
         check_every=check_every,
         restart_every=restart_every,
         disk_dir=disk_dir,
-        disk_bytes=disk_bytes,
+        disk_mib=disk_mib,
         adversaries=adversaries,
     )
     for line in lines(report):

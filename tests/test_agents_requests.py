@@ -262,7 +262,7 @@ def test_a_remembered_response_continues_for_its_own_cache_salt_only():
     assert continued.messages[0]["content"] == "s"
 
 
-# Claude Code's request, in the shape it sends (docs/agent-clients.md), with short texts.
+# Claude Code's request, in the shape it sends (docs/agents.md), with short texts.
 BILLING = "x-anthropic-billing-header: cc_version=2.1.332.dcb; cc_entrypoint=sdk-cli;"
 DEFERRED = {
     "name": "WebFetch",

@@ -202,7 +202,7 @@ def test_restart_workload_reads_the_prefix_back_from_disk_after_a_clean_stop(tmp
     out = tmp_path / "restart.json"
     argv = ["bench", "--preset", "smoke", "--model", str(model), "--ban-eos"]
     # A tiny model computes a page about as fast as a file is read: ``auto`` may not read.
-    argv += ["--workload", "restart", "--disk-restore", "always", "--json", str(out)]
+    argv += ["--workload", "restart", "--disk-restore", "on", "--json", str(out)]
     result = CliRunner().invoke(cli, argv)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())

@@ -32,6 +32,7 @@ from mlx_radix_plugin.tools.bench.workloads import (
     run_workload,
     single_token_words,
     stock_form,
+    too_long,
 )
 
 WORDS = [f"t{i}" for i in range(2, 200)]
@@ -185,6 +186,10 @@ def test_an_agent_session_past_the_models_context_is_refused_naming_a_longer_one
     with pytest.raises(PromptError, match="agent workload.*tiny-long"):
         fits([agent], short)
     fits([agent], build("tiny-long", tmp_path / "long"))
+    # The preset as a whole (no --workload) runs the rest on the short model, the agent
+    # workload left out with why, as the report says.
+    left_out = too_long(list(PRESETS["medium"].workloads), short)
+    assert list(left_out) == ["agent"] and "tiny-long" in left_out["agent"]
 
 
 def test_decode_prompts_are_short_and_distinct():

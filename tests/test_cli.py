@@ -10,7 +10,13 @@ from mlx_lm_hooks.hookspecs import hookimpl
 from mlx_lm_hooks.plugins import make_plugin_manager
 
 from mlx_radix_plugin.cli import build_cli, cli
-from mlx_radix_plugin.config import SETTINGS
+from mlx_radix_plugin.config import (
+    OLD_FLAGS,
+    SETTINGS,
+    DeprecatedName,
+    render_reference,
+    toml_value,
+)
 
 
 @pytest.fixture
@@ -131,3 +137,98 @@ def test_register_commands_hook_adds_commands():
     result = CliRunner().invoke(group, ["hello"])
     assert result.exit_code == 0 and result.output == "hello from a plugin\n"
     assert "hello" not in cli.commands  # the base group stays as it was
+
+
+@pytest.fixture
+def served(run, monkeypatch):
+    """``mlx-radix serve`` up to the server's start: what the plugin and the server get."""
+    import mlx_lm_hooks.server
+
+    from mlx_radix_plugin.server.plugin import plugin
+
+    got = {}
+    monkeypatch.setattr(plugin, "configure", lambda overrides, path: got.update(cli=overrides))
+    monkeypatch.setattr(
+        mlx_lm_hooks.server, "serve", lambda names, args: got.update(names=names, args=args)
+    )
+
+    def serve(*args):
+        got.clear()
+        result = run("serve", "--model", "m", *args)
+        assert result.exit_code == 0, result.output
+        return got
+
+    return serve
+
+
+def _other_value(s):
+    """A value of ``s`` other than its default, and the flag's arguments that give it."""
+    name = s.flag.split("/")[0]
+    if s.type is bool:
+        return not s.default, [name if not s.default else s.flag.split("/")[1]]
+    if s.type is list:
+        return ["a.txt", "b.json"], [name, "a.txt", name, "b.json"]
+    if s.choices:
+        value = next(c for c in s.choices if c != s.default)
+        return value, [name, value]
+    if s.type is int:
+        value = s.default * 2 or 64  # pool_tokens at least a page
+    elif s.type is float:
+        value = min(s.default + 0.5, s.maximum or float("inf"))
+    else:
+        value = "/somewhere"
+    return value, [name, str(value)]
+
+
+def test_every_setting_has_a_serve_flag_named_after_its_key(served):
+    expected, args = {}, []
+    for s in SETTINGS:
+        expected[s.key], flag_args = _other_value(s)
+        args += flag_args
+    got = served(*args)
+    assert got["cli"] == expected
+    assert got["names"] == ["radix"]
+    # mlx_lm.server's own --log-level gets the value too.
+    assert got["args"] == ["--model", "m", "--log-level", expected["log_level"]]
+    assert served()["cli"] == {}  # no flag: the environment, the file, the defaults
+
+
+def test_old_serve_flags_still_work_with_a_warning(served):
+    with pytest.warns(DeprecatedName) as warned:
+        got = served(
+            "--shared-prefix", "off", "--max-batch-size", "8", "--no-batched-decode",
+            "--disk-bytes", "3000000",
+        )  # fmt: skip
+    assert got["cli"] == {
+        "decode.shared_prefix": "off",
+        "decode.max_batch_size": 8,
+        "decode.batched": False,
+        "radix.disk.mib": 3,
+    }
+    messages = " ".join(str(w.message) for w in warned)
+    for new in ("--decode-shared-prefix", "--decode-max-batch-size", "--decode-batched"):
+        assert f"use {new}" in messages
+    assert "--disk-bytes is deprecated and goes in the next release: use --disk-mib 3" in messages
+    with pytest.warns(DeprecatedName):  # the new flag wins where both are given
+        got = served("--shared-prefix", "off", "--decode-shared-prefix", "on")
+    assert got["cli"] == {"decode.shared_prefix": "on"}
+
+
+def test_old_serve_flags_values_are_checked(run):
+    result = run("serve", "--model", "m", "--disk-bytes", "-1")
+    assert result.exit_code == 2
+    assert "--disk-bytes = -1 in the command line: expected an integer >= 0" in result.output
+
+
+def test_serve_help_shows_each_flag_default_and_environment_variable(run):
+    result = run("serve", "--help")
+    text = " ".join(result.output.split())
+    for s in SETTINGS:
+        assert f"{s.flag.replace('/', ' / ')} " in text, s.flag
+        assert f"[env var: {s.env}; default: {toml_value(s.default)}]" in text, s.key
+    for old in OLD_FLAGS:  # hidden
+        assert f" {old.split('/')[0]} " not in text
+
+
+def test_config_docs_prints_the_reference(run):
+    assert run("config", "docs").output == render_reference()

@@ -37,7 +37,7 @@ def disk_env(path, **extra) -> dict:
     return {
         "MLX_RADIX_DISK_ENABLED": "1",
         "MLX_RADIX_DISK_DIR": str(path),
-        "MLX_RADIX_DISK_RESTORE": "always",
+        "MLX_RADIX_DISK_RESTORE": "on",
         **extra,
     }
 

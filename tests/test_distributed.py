@@ -247,7 +247,9 @@ def test_pipeline_ranks_answer_as_stock_and_hit(launch, model_dirs, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "arch, args", [("qwen3_5", ()), ("llama", ("--shared-prefix", "on"))], ids=["hybrid", "shared"]
+    "arch, args",
+    [("qwen3_5", ()), ("llama", ("--decode-shared-prefix", "on"))],
+    ids=["hybrid", "shared"],
 )
 def test_features_under_tensor_parallel(launch, model_dirs, tmp_path, arch, args):
     """A hybrid model's recurrent-state snapshots, and decode reading shared prefixes once;

@@ -236,11 +236,11 @@ def test_other_mlx_lm_is_refused_naming_the_pin_and_what_it_lacks(monkeypatch):
 
 def test_every_hook_is_documented_where_the_readme_points():
     root = Path(__file__).parent.parent
-    assert "docs/design.md#the-hooks-server" in (root / "README.md").read_text()
-    design = (root / "docs" / "design.md").read_text()
+    assert "docs/architecture.md#the-hooks-server" in (root / "README.md").read_text()
+    architecture = (root / "docs" / "architecture.md").read_text()
     for name in SPECS:
         params = ", ".join(inspect.signature(getattr(hookspecs, name)).parameters)
-        assert f"`{name}({params})`" in design, name
+        assert f"`{name}({params})`" in architecture, name
 
 
 def test_a_waiting_request_ends_the_decode_budget_after_one_step():

@@ -37,11 +37,59 @@ def anchors(path: Path) -> set[str]:
     return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
 
 
-def test_first_screen_has_the_install_and_test_commands():
+def test_first_screen_installs_serves_asks_and_tests():
+    """One sentence, the install for serving (no test extra), serve, one request and the
+    stats showing cached tokens, then the test command."""
     first = README.read_text().splitlines()[:FIRST_SCREEN]
-    install = [line for line in first if 'pip install ".[cpu,test]"' in line]
-    assert install and "mlx-radix serve" in install[0], "install-and-serve command not on top"
-    assert any(line.strip() == "python -m pytest" for line in first)
+    commands = [line.split("#")[0].strip() for line in first]
+    assert 'pip install ".[cpu]"' in commands, "the install for serving is not on top"
+    assert "mlx-radix serve" in commands
+    assert any("curl" in c and "/v1/chat/completions" in c for c in commands)
+    assert any("curl" in c and "/v1/cache/stats" in c and "cached" in c for c in commands)
+    assert 'pip install ".[cpu,test]" && python -m pytest' in commands
+
+
+@pytest.mark.slow
+def test_first_screen_s_requests_show_the_pool_serving_the_second(model_dirs, tmp_path):
+    """README's curl lines as a user pastes them, against ``--plugin radix`` on a tiny model:
+    the second answer's prompt came from the pool, all of it but the last token."""
+    import json
+    import subprocess
+
+    from servers import Server, free_port, mlx_lm_server, server_env
+
+    first = README.read_text().split("\n## ", 1)[0]
+    (block,) = [
+        b for b in re.findall(r"^```bash\n(.*?)^```", first, flags=re.M | re.S) if "curl" in b
+    ]
+    port = free_port()
+    cmd = mlx_lm_server(
+        "--plugin", "radix", "--model", str(model_dirs["llama"]), "--port", str(port)
+    )
+    with Server(cmd, server_env(tmp_path / "hf"), port, tmp_path / "server.log"):
+        out = subprocess.run(
+            [
+                "bash",
+                "-euo",
+                "pipefail",
+                "-c",
+                block.replace("127.0.0.1:8080", f"127.0.0.1:{port}"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 0, out.stderr
+    answers = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(answers) == 2
+    first_usage, second_usage = (a["usage"] for a in answers)
+    assert first_usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (
+        second_usage["prompt_tokens_details"]["cached_tokens"] == second_usage["prompt_tokens"] - 1
+    )
+    # The stats lines the grep keeps: the prompt tokens of both requests, and those cached.
+    stats = dict(re.findall(r'"(prompt_tokens|cached_tokens)": (\d+)', out.stdout.split("}\n")[-1]))
+    assert int(stats["cached_tokens"]) == second_usage["prompt_tokens"] - 1
 
 
 def test_python_example_runs_and_reuses_pages(model_dirs, monkeypatch):
@@ -100,7 +148,19 @@ def test_relative_links_point_to_existing_files(doc):
 
 
 def test_docs_exist():
-    assert {p.name for p in DOCS} >= {"benchmarks.md", "gpu.md", "design.md"}
+    assert {p.name for p in DOCS} >= {
+        "architecture.md",
+        "operations.md",
+        "benchmarking.md",
+        "CHANGELOG.md",
+        "configuration.md",
+        "agents.md",
+    }
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_are_a_reference_of_at_most_500_lines(doc):
+    assert len(doc.read_text().splitlines()) <= 500, f"{doc.name} is over 500 lines"
 
 
 def test_readme_stays_a_user_s_and_results_keep_current_reports_only():

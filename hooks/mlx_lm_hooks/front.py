@@ -4,7 +4,7 @@ In one process, the generation thread shares the GIL with a handler thread per r
 On an H200 (Llama-3-8B's shape, 32 streams) each token woke its handler, whose state
 machine, JSON and write took 60-100 us of GIL time, and the generation thread, which
 launches the next step, waited behind them at each return from MLX: a 7.5 ms step in
-process took 15-19 ms through the server (docs/gpu.md, "One launch a step").
+process took 15-19 ms through the server (docs/benchmarking.md, "The HTTP front").
 
 With the front on, the process that loads the model (the engine) keeps its generation
 thread, and serves every route but completions on a loopback port of its own. The front,
@@ -230,6 +230,8 @@ class Front:
             "engine": engine_server.server_address[:2],
             "cli_args": self.generator.cli_args,
             "log_level": logging.getLogger().getEffectiveLevel(),
+            # A plugin may set this package's logger apart (the radix plugin's log_level).
+            "hooks_log_level": log.getEffectiveLevel(),
         }
         # The front imports this package as the engine did, from a checkout on sys.path too.
         env = dict(os.environ)
@@ -482,6 +484,7 @@ def serve_front(config: dict) -> None:
     logging.basicConfig(
         level=config["log_level"], format="%(asctime)s - %(levelname)s - %(message)s"
     )
+    log.setLevel(config["hooks_log_level"])
     # The hooks' handler over stock's (salt, refusals as 400, failed steps as 503, hang-ups
     # as one line); no plugin routes here: they are the engine's.
     hooks_server._Installed.stock = {"APIHandler": server.APIHandler}

@@ -3,8 +3,8 @@
 Stock mlx_lm.server tokenizes each request on the generation thread, one after another, and
 runs no step until its queue is drained: a burst's first forward pass waits for every prompt
 of the burst to be tokenized. On the H200 host, 32 prompts of 2,080 tokens took 4.1 ms each
-there, and the first pass of a burst of 32 began 186 ms after it arrived (docs/gpu.md,
-"Admission in one pass"). A byte-level BPE's encoding runs in the tokenizers library with
+there, and the first pass of a burst of 32 began 186 ms after it arrived (docs/benchmarking.md,
+"Tokenizing ahead"). A byte-level BPE's encoding runs in the tokenizers library with
 the GIL released (a thread counting beside it ran at 85% of its idle pace), so the prompts
 waiting behind the one being tokenized can be encoded on other cores meanwhile.
 

@@ -23,7 +23,7 @@ from . import instructions
 from .fields import ApiError
 from .tools import Toolset
 
-log = logging.getLogger("mlx_radix_plugin.agents")
+log = logging.getLogger("mlx_radix.agents")
 
 # The tail decoded to tell which stop sequence ended an answer (the server strips it).
 STOP_TAIL_TOKENS = 32

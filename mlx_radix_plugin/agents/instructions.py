@@ -23,7 +23,7 @@ import logging
 import threading
 import weakref
 
-log = logging.getLogger("mlx_radix_plugin.agents")
+log = logging.getLogger("mlx_radix.agents")
 
 JOIN = "\n\n"
 # The probe: each marker must come out of the template once, in this order.

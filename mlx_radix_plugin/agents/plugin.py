@@ -16,12 +16,12 @@ from mlx_lm_hooks.hookspecs import hookimpl
 from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 from mlx_lm_hooks.server import GenerationFailed, context_length
 
-from ..config import Config, ConfigError, exit_with_usage_error, load_config
+from ..config import Config, ConfigError, exit_with_usage_error, load_config, set_log_level
 from . import fields as f
 from . import generation as g
 from . import messages, responses
 
-log = logging.getLogger("mlx_radix_plugin.agents")
+log = logging.getLogger("mlx_radix.agents")
 
 
 @dataclass(frozen=True)
@@ -150,9 +150,11 @@ class AgentsPlugin:
     @hookimpl(tryfirst=True)
     def mlx_lm_server_start(self, cli_args):
         try:
-            configure(load_config())
+            config = load_config()
         except ConfigError as e:
             exit_with_usage_error(str(e))
+        configure(config)
+        set_log_level(config["log_level"])  # where agents is active without radix too
 
     @hookimpl
     def mlx_lm_register_routes(self, register):

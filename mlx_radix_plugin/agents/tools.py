@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from . import fields as f
 
-log = logging.getLogger("mlx_radix_plugin.agents")
+log = logging.getLogger("mlx_radix.agents")
 
 # codex-rs protocol/src/tool_name.rs: NAMESPACED_TOOL_NAME_DELIMITER, and the namespace of
 # top-level tools (a call in it needs no namespace to be routed).

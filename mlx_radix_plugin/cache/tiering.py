@@ -16,8 +16,8 @@ its rows there, mid-pass, behind the whole step. Two ways instead (``write``):
   quarter of its decode (Llama-3.2-1B's shape in bfloat16, 32 requests: a median 1,643
   tokens/s over 5 runs against 2,342 over 4 with the tier off). Gathering the pages alone cost
   nothing measurable (2,367); making host arrays of them brought it to 2,057. Written when
-  idle: 2,003 against 1,931 (docs/gpu.md). A page committed and evicted within one busy
-  spell is not on disk.
+  idle: 2,003 against 1,931 (docs/benchmarking.md, "Disk writes: through or when idle"). A
+  page committed and evicted within one busy spell is not on disk.
 
 Either way a clean shutdown writes what the tree holds and the disk lacks (``save_tree``).
 
@@ -26,7 +26,8 @@ checked, written into new pool pages and filed in the tree, and the request's ma
 through them. Only where that is faster than computing them: on the H200, Llama-3-8B's shape
 in bfloat16, reading back took 0.13-0.16 s a 1,000 tokens (0.23 s with one reader thread) and a
 prefill 0.03 s, so a restart on the disk tier made a 2,048-token prompt's first token 5x later
-(``tools/restore_calibration.py``, docs/gpu.md), where on this CPU (SmolLM2 in float32) a
+(``tools/restore_calibration.py``; docs/benchmarking.md, "Disk restores where reading is
+faster"), where on this CPU (SmolLM2 in float32) a
 prefill of 1,000 tokens costs 13.9 s and a read 0.24 s. ``restore="auto"`` compares the two: the
 prefill's rate measured at load (``prefill_seconds_per_token``), the read's on the pages
 found on disk at load and on every restore since.
@@ -121,12 +122,12 @@ class Tiering:
         pool: KVPool,
         disk: DiskTier,
         model_key: Hashable = None,
-        restore: str = "always",
+        restore: str = "on",
         prefill_rate: float | None = None,
         write: str = "through",
     ):
         """Pages of ``pool`` to and from ``disk``; ``model_key`` is the server's key for the
-        model, which a request's key extends (with its cache salt). ``restore``: ``always``,
+        model, which a request's key extends (with its cache salt). ``restore``: ``on`` (always),
         or ``auto``: only while reading a page back is measured faster than computing it
         (``prefill_rate``, seconds a token). ``write``: ``through`` (pages gathered as they
         are committed) or ``idle`` (committed prompts remembered, their pages gathered by
@@ -463,7 +464,7 @@ class Tiering:
 
     def worth_reading(self) -> bool:
         """Whether reading pages back is (measured) faster than computing them."""
-        if self.restore_mode == "always" or self.read_rate is None or self.prefill_rate is None:
+        if self.restore_mode == "on" or self.read_rate is None or self.prefill_rate is None:
             return True
         return self.read_rate < self.pool.page_size * self.prefill_rate
 

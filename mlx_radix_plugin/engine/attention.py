@@ -370,7 +370,7 @@ def grouped_attention() -> str:
     first fused call took 41-766 ms, then 0.66-1.10 ms; by hand 2.7-6.4 ms, then 1.39-1.79 ms,
     its kernels built once (2.3 s, which the warm-up at load pays). A burst's first round
     then answered in 955 ms fused against 379 ms by hand, later rounds 251 and 297 ms
-    (docs/gpu.md, "Followers that read their prefix once")."""
+    (docs/benchmarking.md, "Rows that share a prefix read it once in prefill")."""
     if GROUPED_ATTENTION is not None:
         return GROUPED_ATTENTION
     return "scores" if mx.default_device() != mx.cpu and mx.cuda.is_available() else "fused"

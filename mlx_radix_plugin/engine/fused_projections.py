@@ -3,8 +3,9 @@
 A decode step of Llama-3-8B's shape runs 7 matmuls a layer. On MLX's CUDA backend every
 matmul of more than one row is a cuBLASLt call whose descriptor, layouts and heuristic MLX
 builds again at each call, about 40 us of host time each: at 32 rows, 289 of them are most of
-the step's 15 ms launch against 6 ms of kernels (docs/gpu.md). Fused, a Llama layer runs 4,
-and every device does fewer, larger matmuls (Metal encodes fewer dispatches too).
+the step's 15 ms launch against 6 ms of kernels (docs/benchmarking.md, "Fused projections").
+Fused, a Llama layer runs 4, and every device does fewer, larger matmuls (Metal encodes
+fewer dispatches too).
 
 Nothing in mlx-lm's model code changes. Each member layer keeps its own parameters, now
 views of the rows of one concatenated weight (the memory is the same, not doubled), so the

@@ -83,9 +83,9 @@ def _table(sequence) -> PageTable | None:
 # instead of ``--prompt-concurrency`` at a time. On the H200 (Llama-3-8B shape, bf16) 32
 # requests of ~300 prompt tokens entered in 4 waves of 8, each a pass and a decode step that
 # the rows already decoding waited for: the last row decoded 451-603 ms after the first was
-# tokenized, for about 0.3 s of prefill compute (docs/gpu.md, "Admission in one pass"). A
-# CPU or an Apple GPU is compute-bound at 8 rows already: one pass of 32 would give the
-# first rows their first tokens later and the last ones no sooner.
+# tokenized, for about 0.3 s of prefill compute (docs/benchmarking.md, "Admission in one pass
+# on CUDA"). A CPU or an Apple GPU is compute-bound at 8 rows already: one pass of 32 would
+# give the first rows their first tokens later and the last ones no sooner.
 ADMITS_TOGETHER = {"cuda": True, "gpu": False, "cpu": False}
 
 
@@ -505,7 +505,7 @@ class RadixBatchGenerator(BatchGenerator):
         # A decode step on the exact path launches its pool writes with its own graph: one
         # launch a step, not two. On the H200 (8B shape, 32 rows, through the server) the
         # separate launch took 0.84 ms a step, and each return from a launch is one more
-        # wait for the GIL behind 32 handler threads (docs/gpu.md, "One launch a step").
+        # wait for the GIL behind 32 handler threads (docs/benchmarking.md, "One launch a step").
         merged = decoding and not self.decode_path.is_shared(self._generation_batch)
         if merged:
             self.radix.pool.settle()

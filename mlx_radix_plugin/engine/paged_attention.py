@@ -2,11 +2,12 @@
 
 On MLX's CUDA backend a decode step is launch-bound: the host spends about 5.5 us a graph
 node encoding it, and a step of Llama-3-8B's shape has about 2,200 nodes, so a 32-row step
-took 23 ms through the server where the GPU ran kernels for 6 (docs/gpu.md). Attention is a
-large share of them: with a left-padded batch, mlx-lm passes an array mask, and MLX's CUDA
-backend fuses no decode attention with one (its vector kernel takes none), so every layer
-runs the unfused form (scale, scores, mask, softmax, values, and their views and copies),
-after writing the step's K/V into the batch buffer.
+took 23 ms through the server where the GPU ran kernels for 6 (docs/benchmarking.md, "The
+paged decode kernel on CUDA"). Attention is a large share of them: with a left-padded batch,
+mlx-lm passes an array mask, and MLX's CUDA backend fuses no decode attention with one (its
+vector kernel takes none), so every layer runs the unfused form (scale, scores, mask,
+softmax, values, and their views and copies), after writing the step's K/V into the batch
+buffer.
 
 Here each layer is one kernel: every row attends to its own context through its page table,
 reading K/V where the pool holds them (no batch buffer, no copy at admission or per step),
@@ -23,7 +24,8 @@ may lie in several once the pool has grown. The kernel then runs once a chunk, e
 skipping the pages of the others and one of them taking the step's token, and the merge takes
 every call's partial states. Before, such a batch took the MLX-ops variants, which gather each
 row's own tokens a layer: on the H200 (8B, 32 agents on an 8,192-token prefix, a pool of three
-chunks), a decode step then held 16.1 GB of working memory (docs/gpu.md).
+chunks), a decode step then held 16.1 GB of working memory (docs/benchmarking.md, "The paged
+decode kernel on CUDA").
 
 CUDA only, and only once ``check`` has compared it with the MLX-ops form on this device for
 the model's geometry; elsewhere (Metal, the CPU) the shared path's MLX-ops variants serve.

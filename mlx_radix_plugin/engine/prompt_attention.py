@@ -8,7 +8,7 @@ layer of Llama-3.1-8B's shape, bf16, 2,048 queries over 24,576 keys): 6.46 GB of
 temporaries and 9.5 ms with the array mask, 0.02 GB and 1.5 ms as a causal call; over 65,536
 keys 17.2 GB and 34 ms against 0.02 GB and 4 ms. A prompt pass builds every layer before the
 device runs them, so an 8B model's 25.6k-token prompt died of ``cudaMallocAsync`` on the 80 GB
-card, in stock's server as in ours (docs/gpu.md).
+card, in stock's server as in ours (docs/benchmarking.md, "Prompt attention in blocks").
 
 With ``auto``:
 - on CUDA, where cuDNN's flash attention serves the shapes (fp16/bf16, head dims a multiple

@@ -57,7 +57,8 @@ def warm_up(model, page_size: int, shared_prefix: str, prefill_shared: str = "of
     # Again on a pool of CROSSING_PAGES-page chunks, so that every read spans chunks (parts
     # gathered a chunk at a time and joined; the paged kernel once a chunk): a long
     # prompt's passes cross into a second chunk too, and on the H100 the first crossing
-    # built kernels for 3.2 s inside one pass of a 65,536-token prompt (docs/gpu.md).
+    # built kernels for 3.2 s inside one pass of a 65,536-token prompt (docs/benchmarking.md,
+    # "Warm-up at model load").
     pool = KVPool.for_model(
         model,
         page_size=page_size,

@@ -7,7 +7,7 @@ Llama-3-8B on an H200): the engine waited for the step before to finish first
 (``KVPool.settle``), and the device stood idle while the host encoded the next step.
 Measured on the H200 (8B shape, bf16, one row, in process): 6.1 ms a step, of which 2.0
 building the graph and 3.9 launching it, against a 5.1 ms bandwidth floor; the device ran
-only once the host had launched (docs/gpu.md, "Decode writes in place").
+only once the host had launched (docs/benchmarking.md, "Stores in place on CUDA").
 
 Here a kernel stores the rows through its input: the pool array is an input of the kernel,
 never an output, so MLX neither copies it nor replaces it, and nothing waits. MLX does not

@@ -682,7 +682,7 @@ class KVPool:
 
         Whole arrays rather than views of the layer's slots: on the H200, 32 rows decoding
         with views took 926 tokens/s (stock 759), with whole arrays 1,250 (stock 848), a
-        device call apart (docs/gpu.md)."""
+        device call apart (docs/benchmarking.md, "The paged decode kernel on CUDA")."""
         self.launch_stores()
         g, base = self._where[layer]
         keys, values = self._chunks[chunk]

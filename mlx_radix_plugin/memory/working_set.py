@@ -21,7 +21,8 @@ it. On this CPU the limit held a graph of 40 independent products to 7 MB of tem
 against 23 MB without it (tests/test_working_set.py). On the H200 (8B, an agent loop of 16
 clients on a 4,096-token prefix) it took the largest prompt pass from 17.0 to 15.1 GB; the
 rest was one layer's live temporaries, which no wait frees, and which the pass's estimate
-now counts (paged_batch.py: 9.9 GB after, against 9.2 GB named; docs/gpu.md).
+now counts (paged_batch.py: 9.9 GB after, against 9.2 GB named; docs/benchmarking.md, "Working
+memory held to the plan").
 """
 
 from __future__ import annotations

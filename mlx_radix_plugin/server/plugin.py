@@ -16,7 +16,7 @@ from mlx_lm_hooks.routes import RouteRequest, RouteResponse
 
 from ..agents import plugin as agents
 from ..cache.prompt_cache import idle_stats
-from ..config import Config, ConfigError, exit_with_usage_error, load_config
+from ..config import Config, ConfigError, exit_with_usage_error, load_config, set_log_level
 from ..engine import compiled_layers, fused_projections, warmup
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
@@ -95,7 +95,7 @@ class RadixPlugin:
         except ConfigError as e:
             exit_with_usage_error(str(e))
         agents.configure(self.config)
-        logging.getLogger("mlx_radix").setLevel(self.config["log_level"])
+        set_log_level(self.config["log_level"])
         blas_notice()
         if not is_loopback(cli_args.host):
             log.warning(
@@ -180,7 +180,7 @@ class RadixPlugin:
     def mlx_lm_http_front(self, cli_args):
         # auto keeps one process: the front measured no gain beyond the rounds' spread on two
         # H200s (8B shape, 32 streams: 1,257 and 1,588 tokens/s with it, 1,649 and 1,388
-        # without; docs/gpu.md, "Admission in one pass"), and level on MLX's CPU backend
+        # without; docs/benchmarking.md, "The HTTP front"), and level on MLX's CPU backend
         # (tiny shape, 32 streams: 5,389 against 5,282 tokens/s).
         return self.config["server.front"] == "on"
 

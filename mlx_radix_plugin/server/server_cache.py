@@ -261,7 +261,7 @@ class ServerPromptCache:
             "model": public_name(model_key[0] if isinstance(model_key, tuple) else model_key),
             "adapter": public_name(model_key[1]) if isinstance(model_key, tuple) else None,
         }
-        budget = cfg["radix.disk.bytes"]
+        budget = cfg["radix.disk.mib"] << 20
         try:
             # With the default budget, no eviction until the tier has read what it holds,
             # which counts towards it.
@@ -297,7 +297,7 @@ class ServerPromptCache:
         if not tiering.worth_reading():
             log.warning(
                 "disk tier: computing a page is faster than reading it back here: pages are "
-                "kept on disk but not read (radix.disk.restore = always reads them)"
+                "kept on disk but not read (radix.disk.restore = on reads them)"
             )
         limit = min(cfg["radix.disk.preload_tokens"], pool.max_pages * pool.page_size // 2)
         if limit:

@@ -773,7 +773,7 @@ def soak_server(
     env: dict[str, str] | None = None,
     restart_every: float | None = None,
     disk_dir: str | Path | None = None,
-    disk_bytes: int = 0,
+    disk_mib: int = 0,
     adversaries: int = 0,
 ) -> Report:
     """Start ``mlx_lm.server --plugin radix`` on ``model`` (127.0.0.1) and soak it.
@@ -781,7 +781,7 @@ def soak_server(
     The pool is small on purpose: the workload keeps it full, so eviction runs all along.
     ``restart_every`` seconds: kill the server (SIGKILL) that often and start it again, on
     the disk tier. ``disk_dir`` turns the disk tier on there (default with restarts: a
-    temporary directory, removed after a soak that passed); ``disk_bytes`` is its budget
+    temporary directory, removed after a soak that passed); ``disk_mib`` is its budget
     (0: the server's default).
     """
     if restart_every is not None and not 0 < restart_every < minutes * 60:
@@ -797,11 +797,11 @@ def soak_server(
         env.update(
             MLX_RADIX_DISK_ENABLED="1",
             MLX_RADIX_DISK_DIR=str(disk_dir or run_dir / "disk"),
-            MLX_RADIX_DISK_BYTES=str(disk_bytes),
+            MLX_RADIX_DISK_MIB=str(disk_mib),
         )
         # Read pages back even where computing them is measured faster (a small model):
         # the soak is there to check what comes back from disk.
-        env.setdefault(BY_KEY["radix.disk.restore"].env, "always")
+        env.setdefault(BY_KEY["radix.disk.restore"].env, "on")
     lives = Lives(cmd, env, port, run_dir)
     lives.start()
     try:

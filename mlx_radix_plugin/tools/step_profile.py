@@ -126,7 +126,8 @@ def profile(model, rows: int, mode: str, steps: int, args, gpu, fuse: bool = Tru
     # The pool in one chunk, as a server's holds these rows (its chunks are an eighth of its
     # ceiling: 12.9 GB for Llama-3-8B on an H200). Sized to the rows, it came in chunks of 256
     # MiB, which 32 rows' pages spanned, and CUDA's paged kernel gave way to the masked variant
-    # there: 15.3 ms a step against 8.2 in one chunk (docs/gpu.md).
+    # there: 15.3 ms a step against 8.2 in one chunk (docs/benchmarking.md, "The paged decode
+    # kernel on CUDA").
     gen = make_generator(
         model, prompts, mode, steps + 64, processors=processors, samplers=samplers,
         pool_tokens=args.pool_tokens or None, stream=stream, fuse=fuse, chunk_mib=ONE_CHUNK_MIB,

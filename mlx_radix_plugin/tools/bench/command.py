@@ -16,6 +16,7 @@ import importlib.util
 import os
 import platform
 import random
+import shlex
 import sys
 import tempfile
 import threading
@@ -43,6 +44,7 @@ from .workloads import (
     fits,
     run_workload,
     single_token_words,
+    too_long,
 )
 
 __all__ = ["NO_EOS", "Requests", "ServerProcess", "command", "free_port", "run", "server_env"]
@@ -263,10 +265,19 @@ def run(
     report of ``bench_report.build_report``."""
     preset: Preset = PRESETS[preset_name]
     workloads = [w for w in preset.workloads if not only or w.name in only]
-    fits(workloads, model)
+    if only:
+        fits(workloads, model)
+        left_out = {}
+    else:
+        # The preset as a whole on a model that reads less than its longest workload: the
+        # rest runs, and the report says what was left out and why.
+        left_out = too_long(workloads, model)
+        workloads = [w for w in workloads if w.name not in left_out]
+    show = _Progress(progress)
+    for why in left_out.values():
+        show.line(f"left out: {why}")
     sampling = Sampling(eos_logit_bias(model) if ban_eos else {})
     words = single_token_words(model)
-    show = _Progress(progress)
     started = time.perf_counter()
     with (
         tempfile.TemporaryDirectory(prefix="mlx-radix-bench-") as tmp,
@@ -295,6 +306,7 @@ def run(
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(servers["stock"].proc.pid) if servers else None,
             "peak_rss_method": None,
+            "left_out": left_out,
         }
 
         def note_machine(server: ServerProcess) -> None:
@@ -429,10 +441,10 @@ def _model_choice(model: str | None, random_shape: str | None, dtype: str, tmp: 
 )
 @click.option(
     "--disk-restore",
-    type=click.Choice(["auto", "always"]),
+    type=click.Choice(["auto", "on"]),
     default="auto",
     show_default=True,
-    help="The plugin's radix.disk.restore in the restart workload (always: read pages back "
+    help="The plugin's radix.disk.restore in the restart workload (on: read pages back "
     "even where computing them is measured faster, as on a tiny model).",
 )
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
@@ -465,6 +477,11 @@ def command(
             )
         except (BenchError, PromptError) as e:
             raise click.ClickException(str(e)) from e
+    # The command that made the report, as typed (``mlx-radix bench`` or ``python -m ...``).
+    args = sys.argv[1:]
+    args = args[1:] if args[:1] == ["bench"] else args
+    command_path = click.get_current_context().command_path
+    report["command"] = " ".join([command_path, *map(shlex.quote, args)])
     if json_path is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         json_path = Path("bench-results") / f"{preset}-{stamp}.json"

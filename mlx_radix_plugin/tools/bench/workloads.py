@@ -48,16 +48,24 @@ def context_tokens(model_dir: Path) -> int | None:
     return limit if isinstance(limit, int) and limit > 0 else None
 
 
+def too_long(workloads: list[Workload], model_dir: Path) -> dict[str, str]:
+    """The workloads whose prompts pass the model's context, each with why."""
+    context = context_tokens(model_dir)
+    return {
+        w.name: (
+            f"the {w.name} workload's prompts reach {w.longest_prompt:,} tokens and this "
+            f"model reads {context:,}: serve a model with a longer context (--random "
+            "tiny-long on a CPU)"
+        )
+        for w in workloads
+        if context and w.longest_prompt and w.longest_prompt > context
+    }
+
+
 def fits(workloads: list[Workload], model_dir: Path) -> None:
     """Raises ``PromptError`` naming a workload whose prompts pass the model's context."""
-    context = context_tokens(model_dir)
-    for w in workloads:
-        if context and w.longest_prompt and w.longest_prompt > context:
-            raise PromptError(
-                f"the {w.name} workload's prompts reach {w.longest_prompt:,} tokens and this "
-                f"model reads {context:,}: leave it out (--workload) or serve a model with a "
-                "longer context (--random tiny-long on a CPU)"
-            )
+    for why in too_long(workloads, model_dir).values():
+        raise PromptError(why)
 
 
 def single_token_words(model_dir: Path, limit: int = 4096) -> list[str]:
