@@ -275,7 +275,8 @@ SETTINGS: tuple[Setting, ...] = (
             metal="on, as on the CPU and CUDA: it saves the host's work building a step, which "
             "every backend does; not measured on Metal",
             cuda="on. H100, Llama-3.2-1B's shape in bf16: 1 request 377 to 412 tokens/s, 32 "
-            "requests 5,611 to 6,019; logits bitwise",
+            "requests 5,611 to 6,019; Qwen3-1.7B's shape: within the spread of five runs "
+            "(1 request 178-198 tokens/s against 153-203); logits bitwise",
         ),
     ),
     Setting(

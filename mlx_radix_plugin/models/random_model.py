@@ -72,6 +72,22 @@ SHAPES: dict[str, dict] = {
         rope_scaling=dict(LLAMA_3_ROPE, factor=8.0),
         max_position_embeddings=131072,
     ),
+    # Qwen3-1.7B's layers (its published config): per-head norms of q and k, heads of 128
+    # over a hidden size of 2,048; a small model where a decode step is host work, for
+    # decode.compile's Qwen path on a GPU.
+    "qwen3-1.7b": dict(
+        model_type="qwen3",
+        hidden_size=2048,
+        num_hidden_layers=28,
+        intermediate_size=6144,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+    ),
     # Qwen3.5-0.8B's layers (its published config): 18 gated delta net layers and full
     # attention every 4th, 2 KV heads of 256. The vocabulary is SmolLM2's: the real 248,320
     # makes a prefill's logits cost more than its 24 layers on 2 CPU cores.
