@@ -153,6 +153,16 @@ def test_smoke_preset_runs_both_servers_and_reports_every_field(tmp_path):
     assert once <= computed["radix"] <= once + burst.requests * 16
     assert computed["stock"] <= burst.requests * (burst.prefix_tokens + burst.question_tokens)
 
+    # Conversations: each later turn finds its session's history cached; the pace of a
+    # streamed reply and the cached share are each server's.
+    conv, cs = report["workloads"]["conversations"], sizes["conversations"]
+    assert [t["turn"] for t in conv["by_turn"]] == list(range(1, cs.turns + 1))
+    for server in ("stock", "radix"):
+        assert conv[server]["decode_s_per_token"] > 0, server
+        assert 0 <= conv[server]["cached_share"] < 1, server
+    assert conv["cached_share_min_after_turn_1"]["radix"] >= 0.5
+    assert f"conversations, {cs.sessions} sessions x {cs.turns} turns" in result.output
+
     # More prefixes than stock's 10 cache entries: the pool keeps every one.
     rep, w = sizes["prefix_repetition"], report["workloads"]["prefix_repetition"]
     hits = (rep.requests - rep.prefixes) * (rep.prefix_tokens // 16 * 16)

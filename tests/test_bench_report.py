@@ -413,3 +413,18 @@ def test_charts_are_png_files(tmp_path):
     assert [p.name for p in paths] == ["r-workloads.png", "r-ratios.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_per_token_decode_is_the_mean_pace_after_each_first_token_and_cached_share_a_share():
+    replies = [
+        reply(prompt=100, cached=75, completion=5, first=1.0, done=1.4),  # 0.1 s a token
+        reply(prompt=100, cached=25, completion=3, first=2.0, done=2.6),  # 0.3 s a token
+        reply(prompt=100, completion=1, first=3.0, done=3.0),  # one token: no pace
+        reply(prompt=100, completion=4),  # no times: left out
+    ]
+    s = summarize([run("radix", "conversations", 5.0, replies)])
+    assert s["decode_s_per_token"] == pytest.approx(0.2)
+    assert s["cached_share"] == 0.25
+    assert (
+        summarize([run("stock", "conversations", 1.0, [reply(prompt=0)])])["cached_share"] is None
+    )

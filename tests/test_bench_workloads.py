@@ -17,6 +17,7 @@ from mlx_radix_plugin.tools.bench.workloads import (
     PRESETS,
     AgentSession,
     Burst,
+    Conversations,
     Decode,
     DecodeShared,
     Memory,
@@ -148,6 +149,29 @@ def test_multi_turn_sends_history_with_the_servers_replies():
     assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
     assert [m["content"] for m in body["messages"][2::2]] == ["reply10", "reply11"]
     assert body["messages"][0] == sent[(0, 0)][1]["messages"][0]  # one system prompt
+
+
+def test_conversations_grow_their_own_histories_and_start_apart(monkeypatch):
+    """Sessions share only the short system prompt; each turn sends its session's whole
+    history with the server's replies; session i starts i arrivals late, turns think apart."""
+    slept = []
+    monkeypatch.setattr(bench_workloads.time, "sleep", slept.append)
+    w = Conversations(3, 3, 4, 20, 5, 2, arrival_s=0.5, think_s=0.25)
+    sent = collect(w, reply=lambda key, body: f"reply{key[0]}{key[1]}")
+    assert len(sent) == w.total_requests == 9
+    path, body = sent[(2, 2)]
+    assert path == "/v1/chat/completions"
+    roles = [m["role"] for m in body["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in body["messages"][2::2]] == ["reply20", "reply21"]
+    assert [len(m["content"].split()) for m in body["messages"][1::2]] == [20, 5, 5]
+    assert body["max_tokens"] == 2
+    openings = {sent[(c, 0)][1]["messages"][1]["content"] for c in range(3)}
+    systems = {sent[(c, 0)][1]["messages"][0]["content"] for c in range(3)}
+    assert len(openings) == 3 and len(systems) == 1
+    # Clients ran one after another here: each slept its arrival, then between its turns.
+    assert slept == [0.0, 0.25, 0.25, 0.5, 0.25, 0.25, 1.0, 0.25, 0.25]
+    assert w.longest_prompt == 4 + 20 + 2 * 5 + 2 * 2
 
 
 def test_an_agent_session_sends_messages_with_tool_calls_and_stock_the_same_as_chat():

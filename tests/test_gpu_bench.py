@@ -99,7 +99,10 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
         "--decode-shared", "3x64", "--shared-max-tokens", "6", "--shared-prefix", "on",
         "--agent-clients", "2", "--agent-rounds", "3", "--agent-requests", "2",
         "--agent-prefix", "64", "--agent-turn", "16", "--agent-max-tokens", "4", "--front", "on",
-        "--long-prompts", "256,512",
+        "--long-prompts", "256,512", "--conversations", "3", "--conversation-turns", "3",
+        "--conversation-system", "8", "--conversation-opening", "48", "--conversation-turn", "8",
+        "--conversation-max-tokens", "4", "--conversation-arrival", "0.05",
+        "--conversation-think", "0",
     ]  # fmt: skip
     assert gpu_bench.main(argv) == 0
     report = json.loads(out.read_text())
@@ -173,6 +176,17 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert plan["model_bytes"] > 0 and agent["radix"]["pool_bytes_total"] <= plan["pool_max_bytes"]
     assert agent["wall_speedup"] == round(agent["stock"]["wall_s"] / agent["radix"]["wall_s"], 3)
 
+    # Conversations, each server alone: every later turn's history comes from the cache, and
+    # each server's streamed replies have a pace.
+    chats = shape["conversations"]
+    assert chats["params"]["sessions"] == 3 and chats["greedy_match"] == 9
+    for name in ("stock", "radix"):
+        assert chats[name]["requests_served"] == 9 and chats[name]["decode_s_per_token"] > 0
+    assert [t["turn"] for t in chats["by_turn"]] == [1, 2, 3]
+    assert chats["cached_share_min_after_turn_1"]["radix"] > 0.5
+    paces = [chats[n]["decode_s_per_token"] for n in ("stock", "radix")]
+    assert chats["decode_pace_speedup"] == round(paces[0] / paces[1], 3)
+
     # Long prompts, each server alone.
     long = shape["long"]
     assert set(long["prompts"]) == {"256", "512"} and long["matmul_tflop_s"] >= 0
@@ -199,6 +213,8 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     agents = "| tiny | agents, 2 x 3 turns of 2 requests (+16 a tool result) on a 64-token prompt"
     assert f"{agents}: wall |" in table and f"{agents}: least cached share" in table
     assert "on a 64-token prompt: memory against the plan |  | MLX peak " in table
+    chats = "| tiny | 3 chats x 3 turns (48-token openings, +8 a turn, 0.05 s apart)"
+    assert f"{chats}: time a token while a reply streams |" in table
     assert "| tiny | burst of 3 on a new 48-token prefix: the plugin's prompt passes |  | " in table
 
 

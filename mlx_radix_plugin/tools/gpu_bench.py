@@ -45,14 +45,24 @@ import mlx.core as mx
 from ..engine.step_clock import PARTS as STEP_PARTS
 from ..models.random_model import FIRST_WORD, SHAPES, TINY, build, words
 from .bench.command import NO_EOS, Requests, server_env
-from .bench.report import compare_turns
+from .bench.report import compare_turns, decode_s_per_token
 from .bench.servers import Launched, ServerProcess, free_port, free_ports, mlx_launch
-from .bench.workloads import AgentSession, Prompts, Sampling, run_workload, single_token_words
+from .bench.workloads import (
+    AgentSession,
+    Conversations,
+    Prompts,
+    Sampling,
+    Workload,
+    run_workload,
+    single_token_words,
+)
 from .decode_calibration import parse_grid
 
 DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
 SERVERS = ("stock", "radix")
-WORKLOADS = ("decode", "decode-shared", "cached-prefix", "burst", "agent", "long")
+WORKLOADS = ("decode", "decode-shared", "cached-prefix", "burst", "agent", "conversations", "long")
+# Workloads that start each server alone on the device, not the pair side by side.
+ALONE = ("decode-shared", "agent", "conversations", "burst", "long")
 
 
 def progress(message: str) -> None:
@@ -692,6 +702,43 @@ def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
         args.agent_max_tokens,
         requests_per_turn=args.agent_requests,
     )
+    out = _measure_sessions(model_dir, work, args, f"{rng_seed}:agent", workload, "agent")
+    out["clients"], out["rounds"], out["requests_per_turn"] = (
+        args.agent_clients,
+        args.agent_rounds,
+        args.agent_requests,
+    )
+    out["shared_prefix"], out["turn"] = args.agent_prefix, args.agent_turn
+    return out
+
+
+def measure_conversations(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
+    """Chats side by side that share little (the CPU bench's ``Conversations``, issue 59):
+    ``args.conversations`` sessions on a short system prompt, each its own opening message
+    and turns, arriving apart; each server alone, as ``measure_agent``, with the pace of a
+    streamed reply (seconds a token after its first) and the share each served from cache."""
+    workload = Conversations(
+        args.conversations,
+        args.conversation_turns,
+        args.conversation_system,
+        args.conversation_opening,
+        args.conversation_turn,
+        args.conversation_max_tokens,
+        arrival_s=args.conversation_arrival,
+        think_s=args.conversation_think,
+    )
+    out = _measure_sessions(
+        model_dir, work, args, f"{rng_seed}:conversations", workload, "conversations"
+    )
+    out["params"] = workload.params()
+    return out
+
+
+def _measure_sessions(
+    model_dir: Path, work: Path, args, seed: str, workload: Workload, label: str
+) -> dict:
+    """``workload``'s sessions on each server alone (stock first): what ``measure_agent``
+    and ``measure_conversations`` report."""
     words_ = single_token_words(model_dir)
     sampling = Sampling(NO_EOS if LOGIT_BIAS else {})
     out: dict = {}
@@ -706,9 +753,8 @@ def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
                 poller = _StatsPoller(server) if name == "radix" else None
                 if poller:
                     poller.start()
-                with py_spy(server, _spy_path(args, f"{name}-agent")):
-                    prompts = Prompts(f"{rng_seed}:agent", words_)
-                    run = run_workload(server, name, workload, prompts, sampling)
+                with py_spy(server, _spy_path(args, f"{name}-{label}")):
+                    run = run_workload(server, name, workload, Prompts(seed, words_), sampling)
                 if poller:
                     # What the plugin held outside the model and the pool, at its peaks.
                     extra.update(poller.stop())
@@ -734,6 +780,7 @@ def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
             "requests_served": len(replies),
             "prompt_tokens": sum(r.usage["prompt_tokens"] for r in replies),
             "prompt_tokens_computed": sum(_computed(r.usage) for r in replies),
+            "decode_s_per_token": decode_s_per_token(replies),
             **extra,
         }
         if run:
@@ -741,15 +788,16 @@ def measure_agent(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
     if len(runs) == len(SERVERS):
         out["wall_speedup"] = round(out["stock"]["wall_s"] / out["radix"]["wall_s"], 3)
         out["ttft_p50_speedup"] = round(out["stock"]["ttft_p50_s"] / out["radix"]["ttft_p50_s"], 3)
+        out["ttft_mean_speedup"] = round(
+            out["stock"]["ttft_mean_s"] / out["radix"]["ttft_mean_s"], 3
+        )
+        paces = [out[n]["decode_s_per_token"] for n in SERVERS]
+        if None not in paces:
+            # Stock's pace over the plugin's: above 1, the plugin's replies stream faster.
+            out["decode_pace_speedup"] = round(paces[0] / paces[1], 3)
         stock, radix = (runs[n][0].replies for n in SERVERS)
         out["greedy_match"] = sum(stock[k].text == radix[k].text for k in stock)
         out.update(compare_turns(runs))
-    out["clients"], out["rounds"], out["requests_per_turn"] = (
-        args.agent_clients,
-        args.agent_rounds,
-        args.agent_requests,
-    )
-    out["shared_prefix"], out["turn"] = args.agent_prefix, args.agent_turn
     return out
 
 
@@ -893,7 +941,7 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     report["in_process_ms_per_token"] = round(
         in_process_ms_per_token(model_dir, args.decode_prompt, args.max_tokens), 3
     )
-    side = [w for w in args.workload if w not in ("decode-shared", "agent", "burst", "long")]
+    side = [w for w in args.workload if w not in ALONE]
     if side:
         progress(f"{shape}: built in {report['build_s']} s; starting both servers")
         with side_by_side(model_dir, work, args) as servers:
@@ -922,6 +970,10 @@ def bench_shape(shape: str, args, work: Path) -> dict:
         progress(f"{shape}: agent loop, each server alone")
         report["agent"] = measure_agent(model_dir, work, args, args.seed + 17)
         progress(f"{shape}: {json.dumps(report['agent'])}")
+    if "conversations" in args.workload:
+        progress(f"{shape}: conversations, each server alone")
+        report["conversations"] = measure_conversations(model_dir, work, args, args.seed + 23)
+        progress(f"{shape}: {json.dumps(report['conversations'])}")
     if "1" in report.get("decode", {}):
         # Mean context of the measured steps: the prompt plus half the output.
         context = args.decode_prompt + args.max_tokens // 2
@@ -1039,6 +1091,34 @@ def markdown(report: dict) -> str:
             if None not in peaks:
                 row(name, f"a {int(tokens):,}-token prompt: device memory peak",
                     *(f"{p / 1e9:.1f} GB" for p in peaks))  # fmt: skip
+        if "conversations" in s:
+            c, cp = s["conversations"], s["conversations"]["params"]
+            chats = (
+                f"{cp['sessions']} chats x {cp['turns']} turns ({cp['opening_tokens']}-token "
+                f"openings, +{cp['turn_tokens']} a turn, {cp['arrival_s']:g} s apart)"
+            )
+            if "wall_speedup" in c:
+                stock, radix = (f"{c[k]['wall_s']:.2f} s" for k in SERVERS)
+                row(name, f"{chats}: wall", stock, radix, f"{c['wall_speedup']:.2f}x")
+                for key, what in (("mean", "TTFT mean"), ("p50", "TTFT p50")):
+                    stock, radix = (_ms(c[k][f"ttft_{key}_s"]) for k in SERVERS)
+                    ratio = f"{c[f'ttft_{key}_speedup']:.2f}x"
+                    row(name, f"{chats}: {what}", stock, radix, ratio)
+                stock, radix = (_ms(c[k]["ttft_p95_s"]) for k in SERVERS)
+                row(name, f"{chats}: TTFT p95", stock, radix)
+                if "decode_pace_speedup" in c:
+                    stock, radix = (_ms(c[k]["decode_s_per_token"]) for k in SERVERS)
+                    ratio = f"{c['decode_pace_speedup']:.2f}x"
+                    row(name, f"{chats}: time a token while a reply streams", stock, radix, ratio)
+                least = c["cached_share_min_after_turn_1"]
+                stock, radix = (f"{least[k]:.1%}" for k in SERVERS)
+                row(name, f"{chats}: least cached share of a turn after the first", stock, radix)
+            stock, radix = (
+                f"{c[k]['requests_served']} served"
+                + (" (server failed)" if "server_failed" in c[k] else "")
+                for k in SERVERS
+            )
+            row(name, f"{chats}: requests", stock, radix)
         if "agent" in s:
             a = s["agent"]
             loop = (
@@ -1198,6 +1278,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--agent-prefix", type=int, default=24576, help="agent: system prompt tokens")
     p.add_argument("--agent-turn", type=int, default=512, help="agent: tokens a tool result")
     p.add_argument("--agent-max-tokens", type=int, default=64, help="agent: tokens a reply")
+    # Chats side by side (issue 59): each its own long opening, arriving apart.
+    p.add_argument("--conversations", type=_positive_int, default=32, help="conversations: chats")
+    p.add_argument("--conversation-turns", type=_positive_int, default=6, help="turns a chat")
+    p.add_argument("--conversation-system", type=int, default=64, help="system prompt tokens")
+    p.add_argument("--conversation-opening", type=int, default=2048, help="tokens an opening")
+    p.add_argument("--conversation-turn", type=int, default=256, help="tokens a later turn")
+    p.add_argument("--conversation-max-tokens", type=int, default=128, help="tokens a reply")
+    p.add_argument(
+        "--conversation-arrival", type=float, default=0.25, help="seconds between chats' starts"
+    )
+    p.add_argument(
+        "--conversation-think", type=float, default=0.5, help="seconds between a reply and a turn"
+    )
     p.add_argument(
         "--long-prompts",
         type=_positive_ints,

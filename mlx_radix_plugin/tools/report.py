@@ -101,6 +101,8 @@ def both(a: str, b: str) -> str:
 
 # seed_1: the run on a quiet machine (the report says why seed_0 is not shown).
 CPU = Source("bench-medium-cpu-2026-12-06.json", "seed_1")
+# The conversations workload, run on its own after the preset (`--workload conversations`).
+CONVERSATIONS = Source("bench-medium-cpu-2026-12-06.json", "conversations_seed_1")
 
 
 def _cpu_caption(results: Path) -> str:
@@ -115,11 +117,12 @@ def _cpu_caption(results: Path) -> str:
     return (
         f"**CPU**: {m['cpus']} x86-64 cores, {blas}, MLX {m['mlx']}, {r['model']}, "
         f"{r['started'][:10]}: `{cmd}` ({n(r['duration_s'] / 60)} minutes, seed {r['seed']}"
-        f"{left}). Greedy outputs {'identical' if r['greedy_outputs_match'] else 'differed'}."
+        f"{left}); a row of another run names it. Greedy outputs "
+        f"{'identical' if r['greedy_outputs_match'] else 'differed'}."
     )
 
 
-def _cpu_row(workload: str, title: Callable[[dict], str]) -> Row:
+def _cpu_row(workload: str, title: Callable[[dict], str], source: Source = CPU) -> Row:
     def cells(run: dict) -> list[str]:
         w = run["workloads"][workload]
         s, r = w["stock"], w["radix"]
@@ -130,7 +133,7 @@ def _cpu_row(workload: str, title: Callable[[dict], str]) -> Row:
             both(n(s["ttft_mean_s"], 2), n(r["ttft_mean_s"], 2)),
         ]
 
-    return Row(lambda run: title(run["workloads"][workload]["params"]), CPU, cells)
+    return Row(lambda run: title(run["workloads"][workload]["params"]), source, cells)
 
 
 CPU_BLOCK = Block(
@@ -173,6 +176,14 @@ CPU_BLOCK = Block(
         _cpu_row(
             "multi_turn",
             lambda p: f"multi-turn chat: {p['clients']} clients x {p['rounds']} rounds",
+        ),
+        _cpu_row(
+            "conversations",
+            lambda p: (
+                f"conversations: {p['sessions']} chats x {p['turns']} turns, "
+                f"{p['opening_tokens']}-token openings, {p['arrival_s']:g} s apart"
+            ),
+            CONVERSATIONS,
         ),
         _cpu_row(
             "decode",
@@ -222,6 +233,12 @@ def _decode_rate(workload: str) -> Callable[[dict], list[str]]:
     return cells
 
 
+def _pace(run: dict) -> list[str]:
+    w = run["workloads"]["conversations"]
+    s, r = w["stock"]["decode_s_per_token"], w["radix"]["decode_s_per_token"]
+    return [f"{n(s * 1000)} ms", f"{n(r * 1000)} ms", x(r / s)]
+
+
 def _memory(run: dict) -> list[str]:
     # The process's peak over the whole run (VmHWM): what earlier workloads left counts too.
     s, r = run["peak_rss_bytes"]["stock"], run["peak_rss_bytes"]["radix"]
@@ -263,6 +280,7 @@ RATES_BLOCK = Block(
     (
         Row(_rates_title("decode", "tokens/s"), CPU, _decode_rate("decode")),
         Row(_rates_title("decode_shared", "tokens/s"), CPU, _decode_rate("decode_shared")),
+        Row("conversations: time a token while a reply streams (mean)", CONVERSATIONS, _pace),
         Row("peak resident memory of each server over the run", CPU, _memory),
         Row(_rates_title("memory", "K/V held at peak"), CPU, _kv_held),
         Row(_rates_title("restart", "first token after a restart"), CPU, _restart),

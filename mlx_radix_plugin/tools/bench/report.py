@@ -12,7 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .workloads import Restart, Run, Workload
+from .workloads import Reply, Restart, Run, Workload
 
 SERVERS = ("stock", "radix")
 # Ratios are radix / stock: below 1 is better for times, tokens computed and memory,
@@ -20,7 +20,9 @@ SERVERS = ("stock", "radix")
 RATIO_KEYS = (
     "wall_s",
     "ttft_p50_s",
+    "ttft_mean_s",
     "ttft_p95_s",
+    "decode_s_per_token",
     "prompt_tokens_computed",
     "cached_tokens",
     "tokens_per_s",
@@ -72,6 +74,19 @@ def decode_tokens_per_s(run: Run) -> float | None:
     return round(tokens / span, 2) if span > 0 else None
 
 
+def decode_s_per_token(replies: list[Reply]) -> float | None:
+    """Mean seconds a token after each reply's first: the pace a reader sees while a reply
+    streams. Replies of one token, or with no times, are left out."""
+    paces = [
+        (r.done_at - r.first_token_at) / (r.usage["completion_tokens"] - 1)
+        for r in replies
+        if r.first_token_at is not None
+        and r.done_at is not None
+        and r.usage["completion_tokens"] > 1
+    ]
+    return round(statistics.fmean(paces), 5) if paces else None
+
+
 def summarize(runs: list[Run]) -> dict:
     """One server's totals over its runs of one workload."""
     replies = [r for run in runs for r in run.replies.values()]
@@ -93,6 +108,7 @@ def summarize(runs: list[Run]) -> dict:
         "ttft_mean_s": _round(statistics.fmean(ttft) if ttft else None),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
+        "cached_share": round(cached / prompt, 4) if prompt else None,
         "prompt_tokens_computed": prompt - cached,
         "stats_prompt_tokens_computed": (
             None if stats_prompt is None else stats_prompt - stats_cached
@@ -100,6 +116,7 @@ def summarize(runs: list[Run]) -> dict:
         "stats_cached_tokens": stats_cached,
         "completion_tokens": completion,
         "tokens_per_s": round(completion / wall, 2) if wall else None,
+        "decode_s_per_token": decode_s_per_token(replies),
         "cpu_s": _round(cpu),
         "cpu_s_per_token": _round(cpu / completion if cpu is not None and completion else None, 5),
         "peak_rss_bytes": max(peaks) if peaks else None,
@@ -497,6 +514,19 @@ def _notes(report: dict) -> list[str]:
         out.append(
             f"memory, {p['requests']} live on a {p['prefix_tokens']}-token prefix: {_held(m)}; "
             f"the same tokens stored per request: {m['kv_bytes_unshared'] / 2**20:.2f} MiB"
+        )
+    c = report["workloads"].get("conversations")
+    if c:
+        p, st, rx = c["params"], c["stock"], c["radix"]
+
+        def both(key: str, fmt: str) -> str:
+            return " / ".join("-" if x[key] is None else format(x[key], fmt) for x in (st, rx))
+
+        out.append(
+            f"conversations, {p['sessions']} sessions x {p['turns']} turns, stock / radix: "
+            f"wall {both('wall_s', '.1f')} s, TTFT mean {both('ttft_mean_s', '.3f')} s, "
+            f"p50 {both('ttft_p50_s', '.3f')} s, p95 {both('ttft_p95_s', '.3f')} s, decode "
+            f"{both('decode_s_per_token', '.4f')} s a token, cached {both('cached_share', '.1%')}"
         )
     r = report["workloads"].get("restart")
     if r:

@@ -349,6 +349,64 @@ class MultiTurn(Workload):
 
 
 @dataclass(frozen=True)
+class Conversations(Workload):
+    """The commonest load of all: ``sessions`` chats that share little, each growing turn by
+    turn. One short system prompt, then each session's own opening message of
+    ``opening_tokens`` (a pasted text, a question with its context) and ``turns`` - 1 more
+    turns of ``turn_tokens``, every request the whole history with the server's own replies.
+    Session ``i`` starts ``arrival_s * i`` seconds after the first and each waits ``think_s``
+    between its turns, so the histories in flight overlap as users' do: each server's cache
+    must keep every session's history for its next turn (issue 59)."""
+
+    sessions: int
+    turns: int
+    system_tokens: int
+    opening_tokens: int
+    turn_tokens: int
+    output_tokens: int
+    arrival_s: float = 0.0
+    think_s: float = 0.0
+    name: ClassVar[str] = "conversations"
+    per_turn: ClassVar[bool] = True
+
+    @property
+    def total_requests(self) -> int:
+        return self.sessions * self.turns
+
+    @property
+    def longest_prompt(self) -> int:
+        """A session's last request (the template's marks come on top)."""
+        later = self.turns - 1
+        return (
+            self.system_tokens
+            + self.opening_tokens
+            + later * self.turn_tokens
+            + later * self.output_tokens
+        )
+
+    def build(self, p: Prompts, s: Sampling) -> list[Client]:
+        system = p.text(self.system_tokens)
+        # Drawn here, not in the client threads, so both servers get the same turns.
+        texts = [
+            [p.text(self.opening_tokens)]
+            + [p.text(self.turn_tokens) for _ in range(self.turns - 1)]
+            for _ in range(self.sessions)
+        ]
+
+        def session(c: int, send: Send) -> None:
+            time.sleep(self.arrival_s * c)
+            messages = [{"role": "system", "content": system}]
+            for t, text in enumerate(texts[c]):
+                if t:
+                    time.sleep(self.think_s)
+                messages.append({"role": "user", "content": text})
+                reply = send((c, t), *s.chat(list(messages), self.output_tokens))
+                messages.append({"role": "assistant", "content": reply})
+
+        return [partial(session, c) for c in range(self.sessions)]
+
+
+@dataclass(frozen=True)
 class AgentSession(Workload):
     """A coding agent's sessions through the Messages API, in Claude Code's shape:
     ``clients`` sessions on one system prompt of ``system_tokens`` (an agent's instructions
@@ -551,6 +609,7 @@ PRESETS: dict[str, Preset] = {
             Burst(4, 64, 8, 4),
             PrefixRepetition(12, 24, 32, 4, 2),
             MultiTurn(2, 3, 32, 8, 4),
+            Conversations(3, 3, 8, 48, 8, 4, arrival_s=0.05),
             Decode(4, 8, 16, rounds=2),
             DecodeShared(4, 64, 8, 16, rounds=2),
             Memory(8, 128, 8, 8),
@@ -564,6 +623,7 @@ PRESETS: dict[str, Preset] = {
             Burst(8, 500, 16, 8),
             PrefixRepetition(12, 36, 128, 16, 4),
             MultiTurn(4, 3, 128, 24, 16),
+            Conversations(6, 4, 16, 256, 32, 16, arrival_s=0.5, think_s=0.5),
             Decode(8, 32, 64, rounds=3),
             DecodeShared(8, 1024, 16, 64, rounds=3),
             Memory(8, 1024, 16, 16),
@@ -580,6 +640,9 @@ PRESETS: dict[str, Preset] = {
             Burst(8, 500, 16, 8, rounds=3),
             PrefixRepetition(16, 48, 256, 16, 8),
             MultiTurn(4, 4, 256, 32, 32),
+            # Chats side by side (issue 59): 8 sessions of 5 turns, a 512-token opening
+            # each, starting 2 s apart, 1 s between a reply and the next turn.
+            Conversations(8, 5, 32, 512, 48, 32, arrival_s=2.0, think_s=1.0),
             Decode(8, 32, 128, rounds=5),
             DecodeShared(8, 2048, 16, 128, rounds=3),
             Memory(8, 1024, 16, 32),
