@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -1022,6 +1023,24 @@ def markdown(report: dict) -> str:
     def row(name: str, workload: str, stock: str, radix: str, ratio: str = "") -> None:
         rows.append(f"| {name} | {workload} | {stock} | {radix} | {ratio} |")
 
+    def sessions(name: str, b: dict, label: str, more: Callable[[], None] = lambda: None) -> None:
+        """The rows of a workload of sessions, each server alone (agents, conversations)."""
+        if "wall_speedup" in b:
+            stock, radix = (f"{b[k]['wall_s']:.2f} s" for k in SERVERS)
+            row(name, f"{label}: wall", stock, radix, f"{b['wall_speedup']:.2f}x")
+            stock, radix = (_ms(b[k]["ttft_p50_s"]) for k in SERVERS)
+            row(name, f"{label}: TTFT p50", stock, radix, f"{b['ttft_p50_speedup']:.2f}x")
+            more()
+            least = b["cached_share_min_after_turn_1"]
+            stock, radix = (f"{least[k]:.1%}" for k in SERVERS)
+            row(name, f"{label}: least cached share of a turn after the first", stock, radix)
+        stock, radix = (
+            f"{b[k]['requests_served']} served"
+            + (" (server failed)" if "server_failed" in b[k] else "")
+            for k in SERVERS
+        )
+        row(name, f"{label}: requests", stock, radix)
+
     for s in report["shapes"]:
         name = s["shape"]
         for b, d in s.get("decode", {}).items():
@@ -1097,48 +1116,25 @@ def markdown(report: dict) -> str:
                 f"{cp['sessions']} chats x {cp['turns']} turns ({cp['opening_tokens']}-token "
                 f"openings, +{cp['turn_tokens']} a turn, {cp['arrival_s']:g} s apart)"
             )
-            if "wall_speedup" in c:
-                stock, radix = (f"{c[k]['wall_s']:.2f} s" for k in SERVERS)
-                row(name, f"{chats}: wall", stock, radix, f"{c['wall_speedup']:.2f}x")
-                for key, what in (("mean", "TTFT mean"), ("p50", "TTFT p50")):
-                    stock, radix = (_ms(c[k][f"ttft_{key}_s"]) for k in SERVERS)
-                    ratio = f"{c[f'ttft_{key}_speedup']:.2f}x"
-                    row(name, f"{chats}: {what}", stock, radix, ratio)
+
+            def pace(c=c, chats=chats, name=name) -> None:
+                stock, radix = (_ms(c[k]["ttft_mean_s"]) for k in SERVERS)
+                row(name, f"{chats}: TTFT mean", stock, radix, f"{c['ttft_mean_speedup']:.2f}x")
                 stock, radix = (_ms(c[k]["ttft_p95_s"]) for k in SERVERS)
                 row(name, f"{chats}: TTFT p95", stock, radix)
                 if "decode_pace_speedup" in c:
                     stock, radix = (_ms(c[k]["decode_s_per_token"]) for k in SERVERS)
                     ratio = f"{c['decode_pace_speedup']:.2f}x"
                     row(name, f"{chats}: time a token while a reply streams", stock, radix, ratio)
-                least = c["cached_share_min_after_turn_1"]
-                stock, radix = (f"{least[k]:.1%}" for k in SERVERS)
-                row(name, f"{chats}: least cached share of a turn after the first", stock, radix)
-            stock, radix = (
-                f"{c[k]['requests_served']} served"
-                + (" (server failed)" if "server_failed" in c[k] else "")
-                for k in SERVERS
-            )
-            row(name, f"{chats}: requests", stock, radix)
+
+            sessions(name, c, chats, pace)
         if "agent" in s:
             a = s["agent"]
             loop = (
                 f"agents, {a['clients']} x {a['rounds']} turns of {a['requests_per_turn']} "
                 f"requests (+{a['turn']} a tool result) on a {a['shared_prefix']}-token prompt"
             )
-            if "wall_speedup" in a:
-                stock, radix = (f"{a[k]['wall_s']:.2f} s" for k in SERVERS)
-                row(name, f"{loop}: wall", stock, radix, f"{a['wall_speedup']:.2f}x")
-                stock, radix = (_ms(a[k]["ttft_p50_s"]) for k in SERVERS)
-                row(name, f"{loop}: TTFT p50", stock, radix, f"{a['ttft_p50_speedup']:.2f}x")
-                least = a["cached_share_min_after_turn_1"]
-                stock, radix = (f"{least[k]:.1%}" for k in SERVERS)
-                row(name, f"{loop}: least cached share of a turn after the first", stock, radix)
-            stock, radix = (
-                f"{a[k]['requests_served']} served"
-                + (" (server failed)" if "server_failed" in a[k] else "")
-                for k in SERVERS
-            )
-            row(name, f"{loop}: requests", stock, radix)
+            sessions(name, a, loop)
             peaks = [a[k]["device_memory_peak_bytes"] for k in SERVERS]
             if None not in peaks:
                 stock, radix = (f"{p / 1e9:.1f} GB" for p in peaks)
