@@ -295,6 +295,7 @@ HEADLINE = Source(GPU, "compile_headline_h100")
 AGENT = Source(GPU, "compile_agent_h100")
 LONG = Source(GPU, "long_warm_h100")
 CLIENTS = Source(GPU, "clients_agent_h100")
+CHATS = Source(GPU, "conversations_h100")
 ONE_B = Source(GPU, "compile_1b_auto_h100")
 
 
@@ -389,6 +390,28 @@ def _agent_title(run: dict) -> str:
     )
 
 
+def _chats(run: dict) -> list[str]:
+    c = _shape(run)["conversations"]
+    total = c["params"]["sessions"] * c["params"]["turns"]
+
+    def side(s: dict) -> str:
+        peak = gb(s["device_memory_peak_bytes"])
+        failed = _served(s, total)
+        if failed:
+            return f"{failed}; {peak}"
+        return f"{n(s['wall_s'], 1)} s / {n(s['ttft_mean_s'] * 1000)} ms; {peak}"
+
+    return [side(c["stock"]), side(c["radix"]), x(c.get("wall_speedup")), ""]
+
+
+def _chats_title(run: dict) -> str:
+    p = _shape(run)["conversations"]["params"]
+    return (
+        f"{p['sessions']} chats x {p['turns']} turns, each its own {n(p['opening_tokens'])}-token "
+        f"opening, {p['arrival_s']:g} s apart: wall / TTFT mean; device peak"
+    )
+
+
 def _clients(run: dict) -> list[str]:
     a = _shape(run)["agent"]
     later = a["by_turn"][1:]
@@ -462,6 +485,7 @@ GPU_BLOCK = Block(
         Row(_burst_title, HEADLINE, _burst),
         Row(_agent_title, AGENT, _agent),
         Row(_clients_title, CLIENTS, _clients),
+        Row(_chats_title, CHATS, _chats),
         *(Row(_long_title(t), LONG, _long(t)) for t in ("32768", "65536", "131056")),
         Row(
             "Llama-3.2-1B shape: decode tokens/s at 1 request (over the floor)",
