@@ -362,24 +362,23 @@ def _burst_title(run: dict) -> str:
     )
 
 
-def _served(side: dict, total: int) -> str | None:
-    if side.get("requests_served", total) < total:
-        return f"{side['requests_served']} of {total} served (out of memory)"
-    return None
+def _sessions(block: dict, total: int, ttft: Callable[[dict], str]) -> list[str]:
+    """A workload of sessions, each server alone: wall and TTFT, or how many of ``total``
+    it served where it fell short; its device peak either way."""
+
+    def side(s: dict) -> str:
+        peak = gb(s["device_memory_peak_bytes"])
+        if s.get("requests_served", total) < total:
+            return f"{s['requests_served']} of {total} served (out of memory); {peak}"
+        return f"{n(s['wall_s'], 1)} s / {ttft(s)}; {peak}"
+
+    return [side(block["stock"]), side(block["radix"]), x(block.get("wall_speedup")), ""]
 
 
 def _agent(run: dict) -> list[str]:
     a = _shape(run)["agent"]
     total = a["clients"] * a["rounds"] * a["requests_per_turn"]
-
-    def side(s: dict) -> str:
-        peak = gb(s["device_memory_peak_bytes"])
-        failed = _served(s, total)
-        if failed:
-            return f"{failed}; {peak}"
-        return f"{n(s['wall_s'], 1)} s / {n(s['ttft_p50_s'], 2)} s; {peak}"
-
-    return [side(a["stock"]), side(a["radix"]), x(a.get("wall_speedup")), ""]
+    return _sessions(a, total, lambda s: f"{n(s['ttft_p50_s'], 2)} s")
 
 
 def _agent_title(run: dict) -> str:
@@ -393,15 +392,7 @@ def _agent_title(run: dict) -> str:
 def _chats(run: dict) -> list[str]:
     c = _shape(run)["conversations"]
     total = c["params"]["sessions"] * c["params"]["turns"]
-
-    def side(s: dict) -> str:
-        peak = gb(s["device_memory_peak_bytes"])
-        failed = _served(s, total)
-        if failed:
-            return f"{failed}; {peak}"
-        return f"{n(s['wall_s'], 1)} s / {n(s['ttft_mean_s'] * 1000)} ms; {peak}"
-
-    return [side(c["stock"]), side(c["radix"]), x(c.get("wall_speedup")), ""]
+    return _sessions(c, total, lambda s: f"{n(s['ttft_mean_s'] * 1000)} ms")
 
 
 def _chats_title(run: dict) -> str:
