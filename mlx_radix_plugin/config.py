@@ -143,7 +143,8 @@ SETTINGS: tuple[Setting, ...] = (
         "radix.buffer_cache_fraction",
         0.25,
         "share of the memory left after the model, the pool and the batch buffers that MLX "
-        "may keep as freed buffers for reuse; 0 leaves MLX's own limit",
+        "may keep as freed buffers for reuse, at most the plan's working memory (on the CPU "
+        "and Metal a quarter of it, counted in it); 0 leaves MLX's own limit",
         minimum=0.0,
         maximum=1.0,
     ),

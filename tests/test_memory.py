@@ -1,6 +1,6 @@
 """Memory that fits the machine, through real servers: an idle server holds what stock holds,
-the pool grows in chunks as requests need pages, and a model that leaves no room for a pool
-is still served from the pool, with a warning."""
+the pool grows in chunks as requests need pages, a model that leaves no room for a pool is
+still served from the pool, with a warning, and a long prompt is served within the plan."""
 
 from __future__ import annotations
 
@@ -112,3 +112,52 @@ def test_a_model_that_leaves_no_room_is_served_from_a_minimal_pool_with_a_warnin
     assert "leave no room for a KV pool" in log
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def wide_long(tmp_path_factory) -> Path:
+    """A tiny model with a long context and wide attention (4 query heads over one KV head,
+    131,072 tokens): a long prompt's scores are large against its K/V, which size the plan."""
+    from tiny_models import build_model
+
+    path = tmp_path_factory.mktemp("wide_long") / "llama"
+    return build_model(
+        "llama",
+        path,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=131072,
+    )
+
+
+def text_of(model_dir: Path, tokens: int) -> str:
+    """A text the model's tokenizer reads as ``tokens`` tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    words = " ".join(f"{w}{i % 97}" for i, w in enumerate(["fox", "page", "radix", "dog"] * tokens))
+    return tokenizer.decode(tokenizer(words)["input_ids"][:tokens])
+
+
+def test_a_long_prompt_is_served_within_the_model_the_pool_and_working_memory(wide_long, tmp_path):
+    """A 24,576-token prompt on the wide model, its pool sized by the user (32,768 tokens):
+    the server's resident memory grows by no more than the plan names, the pool and working
+    memory (MLX's cache of freed buffers counted in it). Before the attention's blocks were
+    evaluated one at a time and the cache counted, it grew by 789 MB against 356 MB named."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    port = free_port()
+    cmd = mlx_lm_server("--plugin", "radix", "--model", str(wide_long), "--port", str(port))
+    env = server_env(hf, MLX_RADIX_POOL_TOKENS="32768", MLX_RADIX_PAGE_SIZE="16")
+    prompt = text_of(wide_long, 24576)
+    with Server(cmd, env, port, tmp_path / "server.log") as radix:
+        plan = wait_for_model(radix)["memory_plan"]
+        before = settled_rss(radix)
+        with radix.peak_rss() as peak:
+            reply = radix.post("/v1/completions", {"prompt": prompt, **GREEDY})
+        stats = radix.stats()
+    assert reply["usage"]["prompt_tokens"] >= 24576
+    named = plan["pool_max_bytes"] + plan["working_bytes"]
+    assert stats["working_peak_prefill_bytes"] <= plan["working_bytes"]
+    assert peak.bytes - before <= named, (peak.bytes - before, named)

@@ -7,6 +7,7 @@ import pytest
 from mlx_radix_plugin.config import load_config
 from mlx_radix_plugin.memory.budget import (
     MIN_BUFFER_CACHE_BYTES,
+    UNIFIED_CACHE_SHARE,
     DeviceMemory,
     buffer_cache_limit,
     device_memory,
@@ -29,6 +30,14 @@ def test_the_limit_is_a_share_of_what_the_model_the_pool_and_the_batch_buffers_l
     assert buffer_cache_limit(0.25, memory, 16 * GiB, 40 * GiB, 0, GiB // 8) == (
         MIN_BUFFER_CACHE_BYTES
     )
+    # The CPU and Metal count the cache in working memory: a quarter of it, with no floor.
+    for backend in ("cpu", "metal"):
+        unified = DeviceMemory(backend, 141 * GiB, "test")
+        assert buffer_cache_limit(0.25, unified, 16 * GiB, 40 * GiB, 0, 9 * GiB) == 9 * GiB // 4
+        assert buffer_cache_limit(0.25, unified, 16 * GiB, 40 * GiB, 0, GiB // 8) == GiB // 32
+        assert buffer_cache_limit(0.25, unified, 100 * GiB, 41 * GiB, 0, 9 * GiB) == 0
+        # A plan without working memory (none named) keeps the share and the floor.
+        assert buffer_cache_limit(0.25, unified, 16 * GiB, 40 * GiB) == 85 * GiB // 4
     with pytest.raises(ValueError, match="buffer_cache_fraction must be in \\(0, 1\\], got 0"):
         buffer_cache_limit(0, memory, 0, 0)
 
@@ -69,10 +78,13 @@ def test_binding_a_model_sets_the_limit_and_stats_report_it(loaded, cache_limit)
     # at most the plan's working memory.
     left = device_memory().usable_bytes - model_nbytes(model) - expected_pool
     working = server_cache.radix.pool.plan.working_bytes
-    if working < left // 2:
-        assert limit == max(working, MIN_BUFFER_CACHE_BYTES)
-    else:
-        assert abs(limit - left // 2) <= 0.05 * left
+    if device_memory().backend == "cuda":
+        if working < left // 2:
+            assert limit == max(working, MIN_BUFFER_CACHE_BYTES)
+        else:
+            assert abs(limit - left // 2) <= 0.05 * left
+    else:  # counted in working memory
+        assert limit == min(int(working * UNIFIED_CACHE_SHARE), left // 2)
     stats = server_cache.stats()
     assert stats["mlx_cache_limit_bytes"] == limit
     assert stats["mlx_active_bytes"] >= 0 and stats["mlx_cache_bytes"] >= 0

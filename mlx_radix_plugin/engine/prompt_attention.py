@@ -96,7 +96,12 @@ def prompt_attention(
     budget = pool.attention_bytes
     if budget is None or B * Hq * S * L * SCORE_BYTES <= budget:
         return _STOCK(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-    return blocked(queries, keys, values, scale, mask, sinks, budget)
+    # Nothing reads the last layer's output in a prompt pass (mlx-lm evaluates the caches'
+    # state, and a recurrent layer after it would read it): evaluating its blocks would run
+    # what the lazy graph leaves out. On the wide model of tests/test_prompt_attention.py (2
+    # layers), 24,576 tokens took 35 s with its blocks evaluated against 22 s without.
+    last = cache.layer == pool.num_layers - 1 and not pool.state_sizes
+    return blocked(queries, keys, values, scale, mask, sinks, budget, settle=not last)
 
 
 def blocked(
@@ -107,10 +112,19 @@ def blocked(
     mask,
     sinks: mx.array | None,
     budget: int,
+    settle: bool = False,
 ) -> mx.array:
     """Attention in query blocks whose scores fit ``budget``, each over the keys it can see
     (its pass's tokens are the last ``S`` keys, so a block ending at query ``b`` sees the
-    first ``L - S + b``); the keys split too where ``MIN_QUERY_BLOCK`` queries do not fit."""
+    first ``L - S + b``); the keys split too where ``MIN_QUERY_BLOCK`` queries do not fit.
+
+    ``settle``: evaluate each block (and each key block) before the next is built. MLX
+    allocates an operation's output when it is queued, not when it runs, so blocks built
+    together are held together: on 2 CPU cores, 1,755 queries over 16,091 keys (4 query
+    heads, one KV head) in blocks of 82 MB of scores held 437 MB at once, and 91 MB with
+    each block evaluated, in the same time; with 64 query heads over 16,384 keys and a 256
+    MiB budget, 1,436 MB against 199 MB. In the server, a 24,576-token prompt's passes held
+    474 MB of working memory against 322 MB named, and 149 MB once settled."""
     B, Hq, S, _ = queries.shape
     L = keys.shape[2]
     prev = L - S
@@ -130,7 +144,9 @@ def blocked(
             outs.append(_STOCK(q, k, v, None, scale=scale, mask=m, sinks=sinks))
         else:
             key_block = max(MIN_KEY_BLOCK, budget // (per_key * (b - a)))
-            outs.append(_flash(q, k, v, scale, m, sinks, key_block))
+            outs.append(_flash(q, k, v, scale, m, sinks, key_block, settle))
+        if settle and b < S:
+            mx.eval(outs[-1])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
@@ -142,6 +158,7 @@ def _flash(
     mask,
     sinks: mx.array | None,
     key_block: int,
+    settle: bool = False,
 ) -> mx.array:
     """Attention over ``keys`` in blocks of ``key_block``, with a running max and sum in
     float32 (an online softmax): one block's scores held at a time.
@@ -172,6 +189,8 @@ def _flash(
         part = (e @ v).reshape(B, H, G, S, -1)
         acc = part if acc is None else acc * mx.exp(top - new_top) + part
         top = new_top
+        if settle and d < L:
+            mx.eval(acc, top)
     out, total = acc[..., :-1], acc[..., -1:]
     if sinks is not None:  # the sink's logit enters each query's softmax once
         sink = sinks.astype(mx.float32).reshape(1, H, G, 1, 1)

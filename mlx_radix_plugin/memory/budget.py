@@ -223,6 +223,11 @@ def plan_memory(
 # 33 GB while the cache of freed buffers grew to 94 GB and the generation thread died on
 # ``cudaMallocAsync``; a limit of 8 GB kept it at 8 GB and the run completed.
 MIN_BUFFER_CACHE_BYTES = 256 << 20
+# Of working memory, the share the cache may keep where the cache is the machine's memory
+# (the CPU, Metal's unified memory): the plan counts it in working memory there, beside the
+# calls' live temporaries, whose estimate is about twice what they hold (a 24,576-token
+# prompt on the wide model of tests/test_memory.py: 149 MB live of 322 MB named).
+UNIFIED_CACHE_SHARE = 0.25
 
 
 def buffer_cache_limit(
@@ -236,7 +241,9 @@ def buffer_cache_limit(
     """Bytes MLX may keep in its cache of freed buffers: ``fraction`` of what the device has
     left after the model, the pool and the batch buffers (``buffer_bytes``, the plan's reserve
     for them), at most the plan's working memory (``working_bytes``), and at least
-    ``MIN_BUFFER_CACHE_BYTES`` so that a step's buffers are still reused.
+    ``MIN_BUFFER_CACHE_BYTES`` so that a step's buffers are still reused. On the CPU and Metal
+    the cache is counted in working memory: at most ``UNIFIED_CACHE_SHARE`` of it, with no
+    floor, so that the server's resident memory stays within model + pool + working memory.
 
     A cached buffer counts in the process's resident memory: on 2 CPU cores, a burst of 8 on
     a new 1,024-token prefix (SmolLM2's shape, float32) peaked at 2.0 GB resident with 1.1 GB
@@ -245,13 +252,17 @@ def buffer_cache_limit(
     pool, a quarter of the rest was 6.2 GB, and a 24,576-token prompt on a wide tiny model
     (4 heads, 32,768-token pool, 322 MB of working memory) grew the server by 4.88 GB in
     28.1 s, against 0.78 GB in 22.4 s with 256 MiB (its passes' scores change size as the
-    keys grow, so each pass's freed buffers were kept and not reused)."""
+    keys grow, so each pass's freed buffers were kept and not reused), and by 0.53 GB with
+    the working memory as the limit and each attention block evaluated as it is made
+    (engine/prompt_attention.py), 0.2 GB of it the cache."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"buffer_cache_fraction must be in (0, 1], got {fraction!r}")
     left = memory.usable_bytes - model_bytes - pool_bytes - buffer_bytes
     limit = int(left * fraction)
     if working_bytes is not None:
         limit = min(limit, working_bytes)
+        if memory.backend != "cuda":
+            return max(0, min(limit, int(working_bytes * UNIFIED_CACHE_SHARE)))
     return max(MIN_BUFFER_CACHE_BYTES, limit)
 
 
