@@ -165,6 +165,11 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     for name in ("stock", "radix"):  # each alone, every request served
         assert agent[name]["requests_served"] == 12 and "server_failed" not in agent[name]
     assert [t["turn"] for t in agent["by_turn"]] == [1, 2, 3]
+    for name in ("stock", "radix"):  # each server's own, there where the other fails
+        by_turn = agent[name]["ttft_p50_by_turn_s"]
+        assert by_turn == pytest.approx([t[f"{name}_ttft_s"] for t in agent["by_turn"]], abs=1e-3)
+        assert min(by_turn[1:]) <= agent[name]["ttft_p50_later_turns_s"] <= max(by_turn[1:])
+    assert agent["radix"]["mlx_idle_bytes"] > 0
     assert agent["cached_share_min_after_turn_1"]["radix"] > 0.5
     assert agent["radix"]["buffer_bytes_peak"] >= 0 and agent["radix"]["mlx_peak_bytes"] > 0
     # Working memory against the plan, measured by the server (memory/working_set.py).

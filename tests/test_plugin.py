@@ -20,6 +20,19 @@ def plugin():
     return make
 
 
+@pytest.fixture(autouse=True)
+def stock_layers(loaded):
+    """The session's shared models get stock's layer classes back: a model load here fuses
+    and compiles them, as the server does."""
+    yield
+    from mlx_radix_plugin.engine import compiled_layers, fused_projections
+
+    for arch in ("llama", "qwen3"):
+        model, _ = loaded(arch)
+        compiled_layers.uninstall(model)
+        fused_projections.restore(model)
+
+
 def args(**kw):
     return SimpleNamespace(**{"prompt_cache_size": 10, "kv_bits": None, "host": "127.0.0.1", **kw})
 
@@ -60,6 +73,30 @@ def test_draft_model_and_kv_bits_fall_back_with_reasons(plugin, loaded):
     assert "--kv-bits" in p.stats()["fallback"]
     p.mlx_lm_model_loaded(model, None, ("m", None, None), None, args(), provider)
     assert p.stats()["fallback"] is None
+
+
+def test_the_model_is_served_as_prepared_before_its_memory_is_planned(plugin, loaded, monkeypatch):
+    """Fusing and the warm-up leave device memory MLX does not count (CUDA), which the plan
+    must read as used: they run first. A model the plugin will not serve is left as it is."""
+    from mlx_radix_plugin.engine import fused_projections
+    from mlx_radix_plugin.memory.pool import KVPool
+
+    model, _ = loaded("llama")
+    calls = []
+    prepare, for_model = fused_projections.prepare, KVPool.for_model.__func__
+    monkeypatch.setattr(
+        fused_projections, "prepare", lambda *a: calls.append("prepare") or prepare(*a)
+    )
+    monkeypatch.setattr(
+        KVPool, "for_model", classmethod(lambda *a, **k: calls.append("plan") or for_model(*a, **k))
+    )
+    p = plugin(**{"radix.pool_tokens": 256})
+    p.mlx_lm_prompt_cache(args())
+    provider = SimpleNamespace(is_batchable=True)
+    p.mlx_lm_model_loaded(model, None, ("m", None, "d"), model, args(), provider)
+    assert calls == [] and "draft model" in p.stats()["fallback"]
+    p.mlx_lm_model_loaded(model, None, ("m", None, None), None, args(), provider)
+    assert calls == ["prepare", "plan"] and p.stats()["fallback"] is None
 
 
 def test_disabled_radix_and_metrics(plugin):

@@ -22,6 +22,7 @@ from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
 from ..engine.step_clock import StepClock
 from ..memory import ranks
+from ..memory.pool import UnsupportedModel, inspect_model
 from . import metrics, mlx_lm_internals
 from .pins import ROUTE_WAIT_SECONDS, prompt_tokens
 from .server_cache import ServerPromptCache, mlx_memory_stats
@@ -116,26 +117,48 @@ class RadixPlugin:
         self, model, tokenizer, model_key, draft_model, cli_args, model_provider
     ):
         if self.cache is not None:
+            # The model as the plugin serves it, then the memory plan: fusing and the warm-up
+            # leave device memory MLX does not count (on an H100, 8B bf16: 3.1 GB of the
+            # fused weights' former places, 1.1 GB after the warm-up, beside the CUDA
+            # context's 0.5 GB), which the plan must read as used, not as the pool's room.
+            prepared = self._may_serve(model, draft_model, cli_args)
+            if prepared:
+                self._prepare(model)
             self.cache.bind(model, model_key, draft_model, cli_args, tokenizer)
-            if self.cache.radix is not None:
-                # Fewer matmuls and graph nodes a step (engine/fused_projections.py).
-                fuse = fused_projections.enabled(self.config["model.fuse_projections"])
-                groups = fused_projections.prepare(model, fuse)
-                if groups:
-                    log.info("radix: %d groups of projections fused", groups)
-                # After fusing: the compiled layers hold the weights as they are now.
-                if compiled_layers.enabled(self.config["decode.compile"]):
-                    layers = compiled_layers.install(model)
-                    if layers:
-                        log.info("radix: %d layers decode through compiled calls", layers)
-                if warmup.enabled(self.config["decode.warmup"]):
-                    self._warm_up(model)
+            if prepared and self.cache.radix is None:  # it fell back to stock's cache
+                compiled_layers.uninstall(model)
+                fused_projections.restore(model)
         if not self.config["decode.batched"]:
             # Requests then take mlx-lm's one-at-a-time path (PoolBackedCache).
             model_provider.is_batchable = False
 
+    def _may_serve(self, model, draft_model, cli_args) -> bool:
+        """Whether the pool can serve ``model`` as far as is known before it is built (the
+        server's options, the model's layers)."""
+        if self.cache._fallback_reason(draft_model, cli_args) is not None:
+            return False
+        try:
+            inspect_model(model)
+        except UnsupportedModel:
+            return False
+        return True
+
+    def _prepare(self, model) -> None:
+        # Fewer matmuls and graph nodes a step (engine/fused_projections.py).
+        fuse = fused_projections.enabled(self.config["model.fuse_projections"])
+        groups = fused_projections.prepare(model, fuse)
+        if groups:
+            log.info("radix: %d groups of projections fused", groups)
+        # After fusing: the compiled layers hold the weights as they are now.
+        if compiled_layers.enabled(self.config["decode.compile"]):
+            layers = compiled_layers.install(model)
+            if layers:
+                log.info("radix: %d layers decode through compiled calls", layers)
+        if warmup.enabled(self.config["decode.warmup"]):
+            self._warm_up(model)
+
     def _warm_up(self, model) -> None:
-        page_size = self.cache.radix.pool.page_size
+        page_size = self.config["radix.page_size"]
         try:
             seconds = warmup.warm_up(
                 model,

@@ -381,6 +381,10 @@ class DeviceMemoryPeak(threading.Thread):
         except (OSError, ValueError, subprocess.SubprocessError):
             return None
 
+    def used_now(self) -> int | None:
+        """Device memory in use now (``nvidia-smi``), None where it does not answer."""
+        return self._used()
+
     def run(self) -> None:
         while True:
             used = self._used()
@@ -752,7 +756,13 @@ def _measure_sessions(
         try:
             with started(name, model_dir, work, args) as server:
                 poller = _StatsPoller(server) if name == "radix" else None
+                # Held before the first request (the warm-up done): the CUDA context, the
+                # libraries' handles and the model, which the plan's usable memory (read
+                # after the context was made) partly leaves out.
+                extra["device_memory_idle_bytes"] = device.used_now()
                 if poller:
+                    idle = server.stats()
+                    extra["mlx_idle_bytes"] = idle["mlx_active_bytes"] + idle["mlx_cache_bytes"]
                     poller.start()
                 with py_spy(server, _spy_path(args, f"{name}-{label}")):
                     run = run_workload(server, name, workload, Prompts(seed, words_), sampling)
@@ -782,6 +792,7 @@ def _measure_sessions(
             "prompt_tokens": sum(r.usage["prompt_tokens"] for r in replies),
             "prompt_tokens_computed": sum(_computed(r.usage) for r in replies),
             "decode_s_per_token": decode_s_per_token(replies),
+            **_later_turns(run),
             **extra,
         }
         if run:
@@ -799,6 +810,24 @@ def _measure_sessions(
         stock, radix = (runs[n][0].replies for n in SERVERS)
         out["greedy_match"] = sum(stock[k].text == radix[k].text for k in stock)
         out.update(compare_turns(runs))
+    return out
+
+
+def _later_turns(run) -> dict:
+    """TTFT of the turns after each session's first, which its cache should serve (issue 55's
+    measure for an agent loop: the first turn computes the shared prompt), and the median of
+    each turn; empty where nothing was served."""
+    if run is None or not run.replies:
+        return {}
+    timed = {k: r.ttft_s for k, r in run.replies.items() if r.ttft_s is not None}
+    turns = sorted({key[1] for key in timed})
+    later = [ttft for k, ttft in timed.items() if k[1] != turns[0]]
+    by_turn = [
+        round(statistics.median([ttft for k, ttft in timed.items() if k[1] == t]), 4) for t in turns
+    ]
+    out = {"ttft_p50_by_turn_s": by_turn}
+    if later:
+        out["ttft_p50_later_turns_s"] = round(statistics.median(later), 4)
     return out
 
 
@@ -1158,6 +1187,21 @@ def markdown(report: dict) -> str:
                     f"{plan['working_bytes'] / 1e9:.1f} GB named"
                 )
                 row(name, f"{loop}: memory against the plan", "", held)
+            idle = tuple(r.get(k) for k in ("device_memory_idle_bytes", "mlx_idle_bytes"))
+            if None not in idle and r.get("device_memory_peak_bytes"):
+                # The device's own share: the CUDA context, the libraries' handles, and what
+                # the allocator keeps that MLX no longer counts, held before any request.
+                outside = r["device_memory_idle_bytes"] - r["mlx_idle_bytes"]
+                plan = r["memory_plan"]
+                named = plan["model_bytes"] + r["pool_bytes_total"] + plan["working_bytes"]
+                named += plan["margin_bytes"]
+                held = (
+                    f"device peak {r['device_memory_peak_bytes'] / 1e9:.1f} GB = outside MLX "
+                    f"at idle {outside / 1e9:.1f} GB + "
+                    f"{(r['device_memory_peak_bytes'] - outside) / 1e9:.1f} GB, against model + "
+                    f"pool + working + margin {named / 1e9:.1f} GB"
+                )
+                row(name, f"{loop}: device memory against the plan", "", held)
         if "floor" in s:
             f = s["floor"]
             if "in_process_over_floor" in f:
