@@ -135,7 +135,7 @@ class RadixPlugin:
     def _may_serve(self, model, draft_model, cli_args) -> bool:
         """Whether the pool can serve ``model`` as far as is known before it is built (the
         server's options, the model's layers)."""
-        if self.cache._fallback_reason(draft_model, cli_args) is not None:
+        if self.cache.fallback_reason(draft_model, cli_args) is not None:
             return False
         try:
             inspect_model(model)

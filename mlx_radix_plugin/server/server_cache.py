@@ -99,7 +99,8 @@ class ServerPromptCache:
         self.pins = Pins()  # pin requests for the generation thread
         self.rank_stats: list[dict] | None = None  # under mlx.launch, as of the last idle
 
-    def _fallback_reason(self, draft_model, cli_args) -> str | None:
+    def fallback_reason(self, draft_model, cli_args) -> str | None:
+        """Why the server's options rule out the pool for any model, or None."""
         if getattr(cli_args, "kv_bits", None) is not None:
             return "--kv-bits quantizes the KV cache, which the pool stores unquantized"
         if draft_model is not None:
@@ -118,7 +119,7 @@ class ServerPromptCache:
         # Stats name the model once its cache is ready: a reader that sees the model sees
         # its pool, or the fallback and its reason.
         self.model_key = None
-        reason = self._fallback_reason(draft_model, cli_args)
+        reason = self.fallback_reason(draft_model, cli_args)
         cfg, pool = self.config, None
         ranks.own_garbage_collection()
         # Each rank reads its own host's settings; those that decide in tokens and pages must
