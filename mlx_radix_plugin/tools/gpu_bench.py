@@ -367,7 +367,8 @@ class DeviceMemoryPeak(threading.Thread):
         self.peak_bytes: int | None = None
         self._stop_event = threading.Event()
 
-    def _used(self) -> int | None:
+    def used_now(self) -> int | None:
+        """Device memory in use now (``nvidia-smi``), None where it does not answer."""
         try:
             out = subprocess.run(
                 ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
@@ -381,13 +382,9 @@ class DeviceMemoryPeak(threading.Thread):
         except (OSError, ValueError, subprocess.SubprocessError):
             return None
 
-    def used_now(self) -> int | None:
-        """Device memory in use now (``nvidia-smi``), None where it does not answer."""
-        return self._used()
-
     def run(self) -> None:
         while True:
-            used = self._used()
+            used = self.used_now()
             if used is not None:
                 self.peak_bytes = max(self.peak_bytes or 0, used)
             if self._stop_event.wait(0.2):
