@@ -177,6 +177,10 @@ def test_tiny_run_reports_every_workload(tmp_path, monkeypatch, capsys):
     assert 0 < radix["working_peak_prefill_bytes"] <= radix["memory_plan"]["working_bytes"]
     assert radix["mlx_memory_limit_bytes"] >= radix["memory_plan"]["working_bytes"]
     assert sum(radix["prefill_passes"].values()) > 0
+    # The generation thread's time in the steps that decoded, by part, prompt passes in batch.
+    steps = radix["step_ms"]
+    assert steps["steps"] > 0 and steps["batch"] > 0
+    assert steps["step"] == pytest.approx(sum(steps[k] for k in gpu_bench.STEP_PARTS))
     plan = agent["radix"]["memory_plan"]
     assert plan["model_bytes"] > 0 and agent["radix"]["pool_bytes_total"] <= plan["pool_max_bytes"]
     assert agent["wall_speedup"] == round(agent["stock"]["wall_s"] / agent["radix"]["wall_s"], 3)
@@ -267,6 +271,31 @@ def test_decode_shared_alone_runs_only_that_workload(tmp_path, monkeypatch):
     point = shape["decode_shared"]["2x48"]
     assert point["requests"] == 4 and point["greedy_match"] == 4
     assert len(point["stock"]["by_round"]) == len(point["radix"]["by_round"]) == 2
+
+
+def test_servers_leaves_stock_out_of_the_workloads_that_start_each_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "gpu.json"
+    argv = [
+        "--shape", "tiny", "--dtype", "float32", "--workload", "agent", "--servers", "radix",
+        "--bandwidth-mib", "8", "--pool-tokens", "4096", "--agent-clients", "2",
+        "--agent-rounds", "2", "--agent-requests", "1", "--agent-prefix", "64",
+        "--agent-turn", "16", "--agent-max-tokens", "4", "--json", str(out),
+    ]  # fmt: skip
+    assert gpu_bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    (shape,) = report["shapes"]
+    assert set(shape["agent"]) >= {"radix"} and "stock" not in shape["agent"]
+    assert shape["agent"]["radix"]["requests_served"] == 4
+    table = gpu_bench.markdown(report)
+    assert "on a 64-token prompt: requests | not run | 4 served |" in table
+
+
+def test_servers_must_name_stock_or_radix(capsys):
+    assert gpu_bench.parse_args(["--servers", "radix,stock"]).servers == ("stock", "radix")
+    with pytest.raises(SystemExit):
+        gpu_bench.parse_args(["--servers", "radix,vllm"])
+    assert "'radix,vllm': a comma-separated subset of stock,radix" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -61,6 +61,7 @@ from .decode_calibration import parse_grid
 
 DEFAULT_SHAPES = ("llama-3.2-1b", "llama-3-8b")
 SERVERS = ("stock", "radix")
+NOT_RUN = "not run"  # a server --servers left out of a workload that starts each alone
 WORKLOADS = ("decode", "decode-shared", "cached-prefix", "burst", "agent", "conversations", "long")
 # Workloads that start each server alone on the device, not the pair side by side.
 ALONE = ("decode-shared", "agent", "conversations", "burst", "long")
@@ -541,7 +542,7 @@ def measure_decode_shared(model_dir: Path, work: Path, args, rows: int, prefix: 
     out: dict = {"rows": rows, "prefix": prefix, "max_tokens": args.shared_max_tokens}
     rates: dict[str, list[float]] = {}
     texts: dict[str, list[str]] = {}
-    for name in SERVERS:
+    for name in args.servers:
         rates[name], texts[name], extra = [], [], {}
         device = DeviceMemoryPeak(args.ranks)
         device.start()
@@ -566,7 +567,7 @@ def measure_decode_shared(model_dir: Path, work: Path, args, rows: int, prefix: 
             "by_round": [round(r, 1) for r in rates[name]],
             **extra,
         }
-    if rates["stock"] and rates["radix"]:
+    if rates.get("stock") and rates.get("radix"):
         out["ratio"] = round(
             statistics.median(rates["radix"]) / statistics.median(rates["stock"]), 3
         )
@@ -603,7 +604,7 @@ def measure_burst(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
     burst beside the plugin's server ran out of memory and, its process still holding the
     memory, the plugin's then did too."""
     out = {}
-    for name in SERVERS:
+    for name in args.servers:
         rounds = []
         device = DeviceMemoryPeak(args.ranks)
         device.start()
@@ -634,7 +635,7 @@ def measure_burst(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
             "device_memory_peak_bytes": peak,
             **passes,
         }
-    if all("ttft_mean_s" in out[name] for name in SERVERS):
+    if all("ttft_mean_s" in out.get(name, {}) for name in SERVERS):
         out["speedup"] = round(out["stock"]["ttft_mean_s"] / out["radix"]["ttft_mean_s"], 3)
     out["requests"] = args.burst
     out["shared_prefix"] = args.burst_prefix
@@ -745,7 +746,7 @@ def _measure_sessions(
     sampling = Sampling(NO_EOS if LOGIT_BIAS else {})
     out: dict = {}
     runs: dict[str, list] = {}
-    for name in SERVERS:
+    for name in args.servers:
         extra: dict = {}
         device = DeviceMemoryPeak(args.ranks)
         device.start()
@@ -769,6 +770,9 @@ def _measure_sessions(
                     s = server.stats()
                     extra["memory_plan"] = s["memory_plan"]
                     extra["pool_bytes_total"] = s["pool_bytes_total"]
+                    # Where the generation thread's time went in the steps that decoded
+                    # (``batch`` holds the prompt passes run between them).
+                    extra["step_ms"] = step_parts(idle, s)
                     for key in (
                         "mlx_peak_bytes",
                         "working_peak_prefill_bytes",
@@ -847,7 +851,7 @@ def measure_long(model_dir: Path, work: Path, args, rng_seed: int) -> dict:
             **{f"{k}_pflop": round(v / 1e15, 3) for k, v in flops.items()},
             "flop_time_s": sum(flops.values()) / args.matmul_rate,
         }
-    for name in SERVERS:
+    for name in args.servers:
         with contextlib.ExitStack() as stack:
             server = None
             for tokens, point in points.items():
@@ -1061,7 +1065,9 @@ def markdown(report: dict) -> str:
             stock, radix = (f"{least[k]:.1%}" for k in SERVERS)
             row(name, f"{label}: least cached share of a turn after the first", stock, radix)
         stock, radix = (
-            f"{b[k]['requests_served']} served"
+            NOT_RUN
+            if k not in b
+            else f"{b[k]['requests_served']} served"
             + (" (server failed)" if "server_failed" in b[k] else "")
             for k in SERVERS
         )
@@ -1083,7 +1089,11 @@ def markdown(report: dict) -> str:
                 row(name, f"decode, {b}: radix step ms ({' / '.join(STEP_PARTS)})", "", split)
         for d in s.get("decode_shared", {}).values():
             stock, radix = (
-                d[k]["failed"][:40] if "failed" in d[k] else f"{d[k]['decode_tokens_per_s']:.0f}"
+                NOT_RUN
+                if k not in d
+                else d[k]["failed"][:40]
+                if "failed" in d[k]
+                else f"{d[k]['decode_tokens_per_s']:.0f}"
                 for k in SERVERS
             )
             workload = (
@@ -1103,6 +1113,8 @@ def markdown(report: dict) -> str:
             burst = f"burst of {b['requests']} on a new {b['shared_prefix']}-token prefix"
 
             def cell(k: str, fmt, b=b) -> str:  # a server whose every request failed says so
+                if k not in b:
+                    return NOT_RUN
                 if "ttft_mean_s" not in b[k]:
                     return f"{b[k]['failed']} failed"
                 return fmt(b[k]) + (f" ({b[k]['failed']} failed)" if b[k].get("failed") else "")
@@ -1117,8 +1129,8 @@ def markdown(report: dict) -> str:
             row(name, f"{burst}: the first burst's TTFT mean", stock, radix)
             stock, radix = (cell(k, lambda r: f"{r['prompt_tokens_computed']:,}") for k in SERVERS)
             row(name, f"{burst}: prompt tokens computed", stock, radix)
-            passes = b["radix"].get("prefill_passes")
-            peaks = [b[k].get("device_memory_peak_bytes") for k in SERVERS]
+            passes = b.get("radix", {}).get("prefill_passes")
+            peaks = [b.get(k, {}).get("device_memory_peak_bytes") for k in SERVERS]
             if None not in peaks:
                 row(name, f"{burst}: device memory peak", *(f"{p / 1e9:.1f} GB" for p in peaks))
             if passes:
@@ -1126,13 +1138,15 @@ def markdown(report: dict) -> str:
                 row(name, f"{burst}: the plugin's prompt passes", "", read)
         for tokens, point in s.get("long", {}).get("prompts", {}).items():
             cells = [
-                point[k]["error"][:60]
+                NOT_RUN
+                if k not in point
+                else point[k]["error"][:60]
                 if "error" in point[k]
                 else f"{point[k]['ttft_s']:.2f} s ({point[k]['over_flop_time']:.2f}x FLOP time)"
                 for k in SERVERS
             ]
             row(name, f"a {int(tokens):,}-token prompt: TTFT", *cells)
-            peaks = [point[k]["device_memory_peak_bytes"] for k in SERVERS]
+            peaks = [point.get(k, {}).get("device_memory_peak_bytes") for k in SERVERS]
             if None not in peaks:
                 row(name, f"a {int(tokens):,}-token prompt: device memory peak",
                     *(f"{p / 1e9:.1f} GB" for p in peaks))  # fmt: skip
@@ -1161,11 +1175,11 @@ def markdown(report: dict) -> str:
                 f"requests (+{a['turn']} a tool result) on a {a['shared_prefix']}-token prompt"
             )
             sessions(name, a, loop)
-            peaks = [a[k]["device_memory_peak_bytes"] for k in SERVERS]
+            peaks = [a.get(k, {}).get("device_memory_peak_bytes") for k in SERVERS]
             if None not in peaks:
                 stock, radix = (f"{p / 1e9:.1f} GB" for p in peaks)
                 row(name, f"{loop}: device memory peak", stock, radix)
-            r = a["radix"]
+            r = a.get("radix", {})
             if "buffer_bytes_peak" in r:
                 held = (
                     f"pool {r['pool_bytes_total'] / 1e9:.1f} GB; at peaks, buffers "
@@ -1231,6 +1245,13 @@ def _positive_ints(text: str) -> list[int]:
             f"{text!r}: expected positive integers separated by commas, e.g. 1,8,32"
         )
     return values
+
+
+def _servers(text: str) -> tuple[str, ...]:
+    names = tuple(n for n in SERVERS if n in text.split(","))
+    if not names or set(text.split(",")) - set(SERVERS):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated subset of stock,radix")
+    return names
 
 
 def _positive_int(text: str) -> int:
@@ -1374,6 +1395,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--models",
         metavar="DIR",
         help="keep the random models here and use those an earlier run left (same --dtype)",
+    )
+    p.add_argument(
+        "--servers",
+        type=_servers,
+        default=SERVERS,
+        help="the servers of the workloads that start each alone (burst, decode-shared, long, "
+        "agent, conversations), comma-separated (default: stock,radix)",
     )
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
