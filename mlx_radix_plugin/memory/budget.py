@@ -252,9 +252,10 @@ def buffer_cache_limit(
     pool, a quarter of the rest was 6.2 GB, and a 24,576-token prompt on a wide tiny model
     (4 heads, 32,768-token pool, 322 MB of working memory) grew the server by 4.88 GB in
     28.1 s, against 0.78 GB in 22.4 s with 256 MiB (its passes' scores change size as the
-    keys grow, so each pass's freed buffers were kept and not reused), and by 0.53 GB with
-    the working memory as the limit and each attention block evaluated as it is made
-    (engine/prompt_attention.py), 0.2 GB of it the cache."""
+    keys grow, so each pass's freed buffers were kept and not reused), by 0.53 GB with the
+    working memory as the limit and each attention block evaluated as it is made
+    (engine/prompt_attention.py), 0.2 GB of it the cache, and by 0.28 GB against 0.36 GB of
+    pool and working memory with ``UNIFIED_CACHE_SHARE`` of it."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"buffer_cache_fraction must be in (0, 1], got {fraction!r}")
     left = memory.usable_bytes - model_bytes - pool_bytes - buffer_bytes

@@ -1053,6 +1053,10 @@ def markdown(report: dict) -> str:
     def row(name: str, workload: str, stock: str, radix: str, ratio: str = "") -> None:
         rows.append(f"| {name} | {workload} | {stock} | {radix} | {ratio} |")
 
+    def cells(point: dict, fmt: Callable[[dict], str]) -> list[str]:
+        """Each server's cell of ``point``: ``fmt`` of its entry, or NOT_RUN."""
+        return [fmt(point[k]) if k in point else NOT_RUN for k in SERVERS]
+
     def sessions(name: str, b: dict, label: str, more: Callable[[], None] = lambda: None) -> None:
         """The rows of a workload of sessions, each server alone (agents, conversations)."""
         if "wall_speedup" in b:
@@ -1064,14 +1068,14 @@ def markdown(report: dict) -> str:
             least = b["cached_share_min_after_turn_1"]
             stock, radix = (f"{least[k]:.1%}" for k in SERVERS)
             row(name, f"{label}: least cached share of a turn after the first", stock, radix)
-        stock, radix = (
-            NOT_RUN
-            if k not in b
-            else f"{b[k]['requests_served']} served"
-            + (" (server failed)" if "server_failed" in b[k] else "")
-            for k in SERVERS
+        served = cells(
+            b,
+            lambda r: (
+                f"{r['requests_served']} served"
+                + (" (server failed)" if "server_failed" in r else "")
+            ),
         )
-        row(name, f"{label}: requests", stock, radix)
+        row(name, f"{label}: requests", *served)
 
     for s in report["shapes"]:
         name = s["shape"]
@@ -1088,13 +1092,9 @@ def markdown(report: dict) -> str:
                 split = " / ".join(f"{parts[k]:.2f}" for k in STEP_PARTS)
                 row(name, f"decode, {b}: radix step ms ({' / '.join(STEP_PARTS)})", "", split)
         for d in s.get("decode_shared", {}).values():
-            stock, radix = (
-                NOT_RUN
-                if k not in d
-                else d[k]["failed"][:40]
-                if "failed" in d[k]
-                else f"{d[k]['decode_tokens_per_s']:.0f}"
-                for k in SERVERS
+            stock, radix = cells(
+                d,
+                lambda r: r["failed"][:40] if "failed" in r else f"{r['decode_tokens_per_s']:.0f}",
             )
             workload = (
                 f"decode, {d['rows']} requests on a cached {d['prefix']}-token prefix, "
@@ -1112,23 +1112,24 @@ def markdown(report: dict) -> str:
             b = s["burst"]
             burst = f"burst of {b['requests']} on a new {b['shared_prefix']}-token prefix"
 
-            def cell(k: str, fmt, b=b) -> str:  # a server whose every request failed says so
-                if k not in b:
-                    return NOT_RUN
-                if "ttft_mean_s" not in b[k]:
-                    return f"{b[k]['failed']} failed"
-                return fmt(b[k]) + (f" ({b[k]['failed']} failed)" if b[k].get("failed") else "")
+            def timed(fmt, b=b) -> list[str]:  # a server whose every request failed says so
+                def one(e: dict) -> str:
+                    if "ttft_mean_s" not in e:
+                        return f"{e['failed']} failed"
+                    return fmt(e) + (f" ({e['failed']} failed)" if e.get("failed") else "")
 
-            stock, radix = (
-                cell(k, lambda r: f"{_ms(r['ttft_mean_s'])} / {_ms(r['ttft_p95_s'])}")
-                for k in SERVERS
-            )
+                return cells(b, one)
+
             ratio = f"{b['speedup']:.2f}x" if "speedup" in b else ""
-            row(name, f"{burst}: TTFT mean / p95", stock, radix, ratio)
-            stock, radix = (cell(k, lambda r: _ms(r["first_ttft_mean_s"])) for k in SERVERS)
-            row(name, f"{burst}: the first burst's TTFT mean", stock, radix)
-            stock, radix = (cell(k, lambda r: f"{r['prompt_tokens_computed']:,}") for k in SERVERS)
-            row(name, f"{burst}: prompt tokens computed", stock, radix)
+            mean_p95 = timed(lambda r: f"{_ms(r['ttft_mean_s'])} / {_ms(r['ttft_p95_s'])}")
+            row(name, f"{burst}: TTFT mean / p95", *mean_p95, ratio)
+            row(
+                name,
+                f"{burst}: the first burst's TTFT mean",
+                *timed(lambda r: _ms(r["first_ttft_mean_s"])),
+            )
+            computed = timed(lambda r: f"{r['prompt_tokens_computed']:,}")
+            row(name, f"{burst}: prompt tokens computed", *computed)
             passes = b.get("radix", {}).get("prefill_passes")
             peaks = [b.get(k, {}).get("device_memory_peak_bytes") for k in SERVERS]
             if None not in peaks:
@@ -1137,15 +1138,15 @@ def markdown(report: dict) -> str:
                 read = f"{passes['grouped']} grouped, {passes['per_row']} per row"
                 row(name, f"{burst}: the plugin's prompt passes", "", read)
         for tokens, point in s.get("long", {}).get("prompts", {}).items():
-            cells = [
-                NOT_RUN
-                if k not in point
-                else point[k]["error"][:60]
-                if "error" in point[k]
-                else f"{point[k]['ttft_s']:.2f} s ({point[k]['over_flop_time']:.2f}x FLOP time)"
-                for k in SERVERS
-            ]
-            row(name, f"a {int(tokens):,}-token prompt: TTFT", *cells)
+            ttft = cells(
+                point,
+                lambda r: (
+                    r["error"][:60]
+                    if "error" in r
+                    else f"{r['ttft_s']:.2f} s ({r['over_flop_time']:.2f}x FLOP time)"
+                ),
+            )
+            row(name, f"a {int(tokens):,}-token prompt: TTFT", *ttft)
             peaks = [point.get(k, {}).get("device_memory_peak_bytes") for k in SERVERS]
             if None not in peaks:
                 row(name, f"a {int(tokens):,}-token prompt: device memory peak",
