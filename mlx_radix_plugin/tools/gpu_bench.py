@@ -1123,11 +1123,8 @@ def markdown(report: dict) -> str:
             ratio = f"{b['speedup']:.2f}x" if "speedup" in b else ""
             mean_p95 = timed(lambda r: f"{_ms(r['ttft_mean_s'])} / {_ms(r['ttft_p95_s'])}")
             row(name, f"{burst}: TTFT mean / p95", *mean_p95, ratio)
-            row(
-                name,
-                f"{burst}: the first burst's TTFT mean",
-                *timed(lambda r: _ms(r["first_ttft_mean_s"])),
-            )
+            first = timed(lambda r: _ms(r["first_ttft_mean_s"]))
+            row(name, f"{burst}: the first burst's TTFT mean", *first)
             computed = timed(lambda r: f"{r['prompt_tokens_computed']:,}")
             row(name, f"{burst}: prompt tokens computed", *computed)
             passes = b.get("radix", {}).get("prefill_passes")
