@@ -78,11 +78,11 @@ def test_a_prefill_read_from_the_pool_gives_the_buffer_s_logits_bitwise(loaded, 
     prompts += [tok.encode("A cold prompt that nothing cached holds.")]
     prompts += [prefix[:24] + question(tok, 9)]
     runs = {}
-    for prefill in ("off", "auto"):
+    for prefill in ("off", "on"):
         rpc = radix(model)
         warm(model, rpc, [prefix])
         runs[prefill] = prefill_run(model, tok, rpc, prompts, prefill=prefill, step=step, late=(5,))
-    (tokens, logits, paged), (stock_tokens, stock_logits, buffered) = runs["auto"], runs["off"]
+    (tokens, logits, paged), (stock_tokens, stock_logits, buffered) = runs["on"], runs["off"]
     assert not buffered
     windowed = any(s.window is not None for s in KVPool.for_model(model, pool_tokens=64).specs)
     assert paged == (not windowed)
@@ -294,6 +294,43 @@ def test_a_request_joining_a_prompt_batch_the_pool_cannot_hold_takes_its_buffer(
     gen.close()
     assert kinds == {False}
     assert [out[u] for u in uids] == stock
+
+
+@pytest.mark.parametrize(
+    "case,paged",
+    [
+        ("a history of its own", False),
+        ("a row others wait for", True),
+        ("a buffer over the working set", True),
+        ("rows decoding on the shared path", True),
+    ],
+)
+def test_auto_reads_the_pool_where_a_buffer_would_hold_a_copy_nothing_else_needs(
+    loaded, case, paged
+):
+    """``prefill.from_pool = auto`` (``prefill_path.reads_pool``): a turn over a history of
+    its own takes the buffer, which reads the history once (the exact decode batch holds one
+    anyway); a row whose pages others wait for, a buffer that would pass the pool's working
+    set and rows that decode on the shared path read the pool. Stock's tokens either way."""
+    model, tok = loaded("llama")
+    prefix = prefix_of(tok, 40)
+    # Two prompts sharing a span past the cached prefix: the second waits for the first to
+    # write it (in-flight sharing), then prefills on its pages.
+    rows = 2 if case == "a row others wait for" else 1
+    prompts = [prefix + question(tok, i) for i in range(rows)]
+    rpc = radix(model)
+    warm(model, rpc, [prefix])
+    stock = run_batch(model, tok, prompts, max_tokens=4)
+    if case == "a buffer over the working set":
+        rpc.pool.prefill_working_bytes = len(prompts[0]) * rpc.pool.bytes_per_token - 1
+    decoding = "on" if case == "rows decoding on the shared path" else "off"
+    gen = RadixBatchGenerator(model, rpc, shared_prefix=decoding)
+    processors = [[no_eos(tok.eos_token_ids)]] * rows
+    uids = admit(gen, rpc, prompts, [4] * rows, logits_processors=processors)
+    gen.next()  # the first prompt batch: one row (a second waits for the first's pages)
+    assert len(gen._prompt_batch) == 1
+    assert is_paged(gen._prompt_batch.prompt_cache) == paged
+    assert decode(gen, uids, 4 * rows) == stock
 
 
 def test_a_pass_whose_scores_would_pass_the_working_set_takes_fewer_queries(loaded, monkeypatch):

@@ -163,7 +163,11 @@ def test_a_long_prompt_holds_its_passes_to_the_working_set(wide, mlx_limit, mode
     pool = KVPool.for_model(model, page_size=16, memory=memory, prefill_step_size=STEP)
     rpc = RadixPromptCache(pool)
     pool.working_set = working = WorkingSet(pool, model_nbytes(model), rpc.snapshots)
-    gen = RadixBatchGenerator(model, rpc, prefill_attention=mode, prefill_step_size=STEP)
+    # The pool's passes report to the working set (a lone row's buffer here would be
+    # under 1 MB, which prefill.from_pool = auto would take).
+    gen = RadixBatchGenerator(
+        model, rpc, prefill_attention=mode, prefill_from_pool="on", prefill_step_size=STEP
+    )
     uids = admit(gen, rpc, [prompt], [4], logits_processors=[[no_eos(tok.eos_token_ids)]])
     assert decode(gen, uids, 4) == expected
     held = working.peaks["prefill"] - others

@@ -22,9 +22,11 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from ..cache.batch import BatchRows, rows_of
+from ..cache.page_table import PageTable
 from ..cache.pool_backed import PoolBackedCache
 from ..cache.shared_batch import SharedPrefixBatchCache, pages_chunk
 from ..memory.allocator import OutOfPages
+from ..memory.pool import KVPool
 from ..memory.prefix_groups import PrefixGroup, group_rows
 from . import prefill_path
 
@@ -281,6 +283,19 @@ class DecodePath:
                 generation.prompt_cache = self._shared_caches(existing, generation.prompt_cache)
         return self._shared_caches(rows, caches) if shared else prefill_path.buffered(caches)
 
+    def reads_pool(self, generation, tables: list[PageTable], lengths: list[int]) -> bool:
+        """Whether rows of ``tables``, ``lengths`` tokens long once prefilled, would decode on
+        the shared path on joining ``generation``: a batch on it, or one the rule sends
+        there with them (``prefill_path.reads_pool`` asks before their prompts start)."""
+        if self.mode == "off":
+            return False
+        if len(generation) and self.is_shared(generation):
+            return True
+        existing = rows_of(generation.prompt_cache) if len(generation) else None
+        if existing is not None:
+            tables, lengths = existing.tables + tables, existing.lengths + lengths
+        return self._takes_shared(tables, lengths, tables[0].pool)
+
     def _joined_wants_shared(
         self, existing: BatchRows | None, rows: BatchRows, expected: list | tuple = ()
     ) -> bool:
@@ -288,16 +303,25 @@ class DecodePath:
         ``expected`` rows, ``(pages, length)`` each)."""
         tables = (existing.tables if existing is not None else []) + rows.tables
         lengths = (existing.lengths if existing is not None else []) + rows.lengths
+        return self._takes_shared(tables, lengths, rows.pool, expected)
+
+    def _takes_shared(
+        self,
+        tables: list[PageTable],
+        lengths: list[int],
+        pool: KVPool,
+        expected: list | tuple = (),
+    ) -> bool:
         if any(t.overflowed or t.released for t in tables):
             return False  # part of its K/V is only in a buffer
         if self.mode == "on":
             return True
-        ps = rows.pool.page_size
+        ps = pool.page_size
         pages = [t.pages for t in tables] + [p for p, _ in expected]
         lengths = lengths + [n for _, n in expected]
         groups = group_rows(pages, lengths, ps)
         one_chunk = self.rule.any_batch_in_one_chunk and (
-            pages_chunk(pages, rows.pool.allocator.chunk_pages) is not None
+            pages_chunk(pages, pool.allocator.chunk_pages) is not None
         )
         return self.rule.takes_shared(groups, lengths, ps, one_chunk)
 

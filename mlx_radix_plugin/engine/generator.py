@@ -165,9 +165,12 @@ class RadixBatchGenerator(BatchGenerator):
         # The plan's bound is a float32 one; a pass's activations are in the model's dtype.
         activations = activation_bytes_per_token(model, pool.bytes_per_token)
         activations = activations * pool.dtype.size // 4
-        prefill_path.enable(
+        # Whether prompt batches may read the pool; under ``auto``, each batch asks
+        # ``prefill_path.reads_pool`` when it starts (``_make_batch``).
+        from_pool = prefill_path.enable(
             prefill_from_pool, pool, heads, prefill_shared, calls, activations, prefill_attention
         )
+        self._from_pool_auto = from_pool and prefill_from_pool == "auto"
         self._prompt_batch = PoolPromptBatch.empty(
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )
@@ -405,7 +408,30 @@ class RadixBatchGenerator(BatchGenerator):
         chosen = {id(s) for s in ready}
         waiting = [s for s in self._unprocessed_sequences if id(s) not in chosen]
         self._unprocessed_sequences = deque(ready + waiting)
+        if self._from_pool_auto and ready:
+            # PoolBackedCache.merge reads the pool's flag as mlx-lm makes the batch.
+            self.radix.pool.prefill_from_pool = self._reads_pool(ready)
         return super()._make_batch(len(ready))
+
+    def _reads_pool(self, ready: list) -> bool:
+        """Whether a prompt batch of ``ready`` reads the pool (``prefill_path.reads_pool``).
+        Rows joining a prompt batch under way take its path: merging a buffered batch
+        into one over the pool fills buffers for all of it (``PoolPromptBatch.extend``)."""
+        if len(self._prompt_batch) and self._prompt_batch.prompt_cache:
+            return prefill_path.is_paged(self._prompt_batch.prompt_cache)
+        tables = [_table(s) for s in ready]
+        if any(t is None for t in tables):
+            return True  # rows outside the pool take the buffer in merge whatever is set
+        lengths = [len(t.tokens or ()) for t in tables]
+        ids = {id(t) for t in tables}
+        # Requests waiting for these rows' pages (in-flight sharing) join them as they are
+        # written: counted as sharing their prefix.
+        followed = any(
+            t is not None and t.depends is not None and id(t.depends[0]()) in ids
+            for t in map(_table, self._unprocessed_sequences)
+        )
+        shared = self.decode_path.reads_pool(self._generation_batch, tables, lengths)
+        return followed or prefill_path.reads_pool(self.radix.pool, tables, lengths, shared)
 
     def _decode_caches(self, caches: list) -> list:
         """The decode path's caches for rows leaving the prompt batch (prefill_path.py)."""
