@@ -80,7 +80,7 @@ def test_each_call_runs_under_the_plans_limit_and_is_measured_by_phase(loaded, m
     assert 0 < working.peaks["prefill"] - others <= working.named
     assert 0 < working.peaks["decode"] - others <= working.named
     # The pass of the largest prefill call, as the stats report it.
-    assert working.peak_pass["path"] in ("per_row", "grouped")
+    assert working.peak_pass["path"] in ("per_row", "grouped", "buffer")
     assert working.peak_pass["rows"] >= 1 and working.peak_pass["layer_bytes"] > 0
     assert working.mlx_peak_bytes >= model_nbytes(model) + pool.nbytes
 

@@ -125,6 +125,18 @@ class BatchedDecodeContext:
             )
 
 
+def pass_bytes(pool: KVPool, layer: int, rows: int, queries: int, columns: int) -> int:
+    """A prompt pass's temporaries in ``layer`` beyond its K/V's layout (``rows`` x
+    ``queries`` over ``columns``): two float32 copies of the scores (within the attention's
+    share where it has one: engine/prompt_attention.py) and the tokens' activations and
+    staged K/V (``KVPool.prefill_token_bytes``)."""
+    heads = pool.query_heads or pool.specs[layer].kv_heads
+    scores = 2 * rows * heads * queries * columns * 4
+    if pool.attention_bound is not None:
+        scores = min(scores, pool.attention_bound)
+    return scores + rows * queries * pool.prefill_token_bytes
+
+
 class BatchRows:
     """The requests of one batch, in batch order; shared by every layer's batch cache."""
 
@@ -291,7 +303,11 @@ class _PoolWrites:
 
     def update_and_fetch(self, keys, values):
         rows = self.rows
-        ctx = rows.ctx or rows.begin(keys.shape[2])
+        ctx = rows.ctx
+        if ctx is None:
+            ctx = rows.begin(keys.shape[2])
+            if ctx.step > 1 and rows.pool.working_set is not None:
+                self._begin_pass(ctx)
         if ctx.any:
             ctx.write(rows.pool, self.layer, keys, values)
         fetched = self._update(keys, values, ctx)
@@ -302,6 +318,21 @@ class _PoolWrites:
 
     def _update(self, keys, values, ctx: BatchedDecodeContext):
         return super().update_and_fetch(keys, values)
+
+    def _begin_pass(self, ctx: BatchedDecodeContext) -> None:
+        """A prompt pass over the buffer, measured as the pool's passes are (paged_batch.py):
+        its estimate is its scores' and tokens', the buffer being held already."""
+        rows, pool = len(self.rows.tables), self.rows.pool
+        columns = self._idx + ctx.step
+        ctx.report = {
+            "path": "buffer",
+            "rows": rows,
+            "queries": ctx.step,
+            "columns": columns,
+            "layer_bytes": pass_bytes(pool, self.layer, rows, ctx.step, columns),
+            "evaluations": 0,
+        }
+        pool.working_set.begin_pass(ctx.report)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)

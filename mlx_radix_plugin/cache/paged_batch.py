@@ -34,7 +34,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache
 
-from .batch import BatchRows, PoolBatchKVCache, _rows_for
+from .batch import BatchRows, PoolBatchKVCache, _rows_for, pass_bytes
 from .grouped_prefill import GroupedPass
 
 STEP = BatchKVCache.step  # columns the buffer grows by
@@ -191,14 +191,9 @@ class PagedBatchKVCache:
         queries over 6,343 columns, evaluated a layer at a time, held 15.1 GB of working
         memory where one float32 copy (this estimate's before) came to 8.35 GB."""
         pool, rows = self.rows.pool, len(self.rows.tables)
-        spec = pool.specs[self.layer if layer is None else layer]
-        heads = pool.query_heads or spec.kv_heads
-        laid_out = rows * self._capacity * spec.bytes_per_token(pool.dtype)
-        scores = 2 * rows * heads * queries * columns * 4
-        if pool.attention_bound is not None:
-            # Attention in blocks within its share (engine/prompt_attention.py).
-            scores = min(scores, pool.attention_bound)
-        return 2 * laid_out + scores + rows * queries * pool.prefill_token_bytes
+        layer = self.layer if layer is None else layer
+        laid_out = rows * self._capacity * pool.specs[layer].bytes_per_token(pool.dtype)
+        return 2 * laid_out + pass_bytes(pool, layer, rows, queries, columns)
 
     def _context(self, width: int) -> tuple[mx.array, mx.array]:
         """The pool's K and V rows of every row's tokens, right-aligned in ``width``."""

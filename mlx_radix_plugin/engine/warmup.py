@@ -88,10 +88,14 @@ def _run_paths(
     paths = [("off", None)] + ([] if shared_prefix == "off" else [("on", v) for v in variants])
     try:
         for mode, attention.VARIANT in paths:
+            # Their prefill reads the pool, which ``prefill.from_pool = auto`` takes for rows
+            # that decode on the shared path or pass the working set; a buffer's fill from the
+            # pool gathers as the decode batch's does after it.
             gen = RadixBatchGenerator(
                 model,
                 rpc,
                 shared_prefix=mode,
+                prefill_from_pool="on",
                 prefill_shared="off" if prefill_shared == "off" else "on",
                 prefill_batch_size=ROWS,
             )
