@@ -306,8 +306,9 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "on", "off"),
         auto=Auto.everywhere(
             "the pool where a buffer would hold a copy nothing else needs: rows that decode "
-            "on the shared path, rows whose pages other requests wait for, or a buffer that "
-            "would pass the working set; else the buffer, which reads the history once where "
+            "on the shared path, rows whose pages other requests wait for, rows sharing a "
+            "prefix that prefill.shared_prefix reads once, or a buffer that would pass the "
+            "working set; else the buffer, which reads the history once where "
             "each pass over the pool gathers it again. A turn of 384 tokens over 24,000 of its "
             "own history on 2 CPU cores (tiny-long): 0.63 s with the buffer, 0.67-0.70 s from "
             "the pool"

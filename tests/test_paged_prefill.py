@@ -301,6 +301,8 @@ def test_a_request_joining_a_prompt_batch_the_pool_cannot_hold_takes_its_buffer(
     [
         ("a history of its own", False),
         ("a row others wait for", True),
+        ("rows sharing a prefix read once", True),
+        ("rows sharing a prefix, each its own read", False),
         ("a buffer over the working set", True),
         ("rows decoding on the shared path", True),
     ],
@@ -310,25 +312,31 @@ def test_auto_reads_the_pool_where_a_buffer_would_hold_a_copy_nothing_else_needs
 ):
     """``prefill.from_pool = auto`` (``prefill_path.reads_pool``): a turn over a history of
     its own takes the buffer, which reads the history once (the exact decode batch holds one
-    anyway); a row whose pages others wait for, a buffer that would pass the pool's working
-    set and rows that decode on the shared path read the pool. Stock's tokens either way."""
+    anyway), as rows sharing a cached prefix do where ``prefill.shared_prefix`` is off; a row
+    whose pages others wait for, rows whose shared prefix a pass reads once, a buffer that
+    would pass the pool's working set and rows that decode on the shared path read the pool.
+    Stock's tokens either way."""
     model, tok = loaded("llama")
     prefix = prefix_of(tok, 40)
-    # Two prompts sharing a span past the cached prefix: the second waits for the first to
-    # write it (in-flight sharing), then prefills on its pages.
-    rows = 2 if case == "a row others wait for" else 1
-    prompts = [prefix + question(tok, i) for i in range(rows)]
+    rows = 1 if case in ("a history of its own", "a buffer over the working set") else 2
+    if case.startswith("rows sharing a prefix"):  # only the cached prefix
+        prompts = [prefix + tok.encode(w) for w in (" apples and pears", " zebras at the zoo")]
+    else:
+        # Two prompts sharing a span past the cached prefix: the second waits for the first
+        # to write it (in-flight sharing), then prefills on its pages.
+        prompts = [prefix + question(tok, i) for i in range(rows)]
     rpc = radix(model)
     warm(model, rpc, [prefix])
     stock = run_batch(model, tok, prompts, max_tokens=4)
     if case == "a buffer over the working set":
         rpc.pool.prefill_working_bytes = len(prompts[0]) * rpc.pool.bytes_per_token - 1
     decoding = "on" if case == "rows decoding on the shared path" else "off"
-    gen = RadixBatchGenerator(model, rpc, shared_prefix=decoding)
+    once = "on" if case == "rows sharing a prefix read once" else "off"
+    gen = RadixBatchGenerator(model, rpc, shared_prefix=decoding, prefill_shared=once)
     processors = [[no_eos(tok.eos_token_ids)]] * rows
     uids = admit(gen, rpc, prompts, [4] * rows, logits_processors=processors)
-    gen.next()  # the first prompt batch: one row (a second waits for the first's pages)
-    assert len(gen._prompt_batch) == 1
+    gen.next()  # the first prompt batch (a row sharing the first's span waits for its pages)
+    assert len(gen._prompt_batch) == (2 if case.startswith("rows sharing a prefix") else 1)
     assert is_paged(gen._prompt_batch.prompt_cache) == paged
     assert decode(gen, uids, 4 * rows) == stock
 

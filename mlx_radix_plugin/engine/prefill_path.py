@@ -33,6 +33,7 @@ from ..cache.page_table import PageTable
 from ..cache.paged_batch import PagedBatchKVCache
 from ..memory.cache_list import flat, map_parts
 from ..memory.pool import KVPool
+from ..memory.prefix_groups import group_rows
 from . import prompt_attention
 
 log = logging.getLogger("mlx_radix")
@@ -97,21 +98,26 @@ def reads_pool(
     """``auto``'s choice for a prompt batch of ``tables`` (rows ``lengths`` tokens long once
     prefilled): the pool where the rows decode on the shared path (``decode_reads_pool``,
     ``DecodePath.reads_pool``), which reads the pool, so a buffer would be made only to be
-    dropped; or where the buffer, every layer's context at once, would pass the pool's
-    working set. Else the buffer: the exact decode path, which CPUs and Metal take for rows
-    of their own, holds one anyway, and a pass over the pool gathers the context at every
-    pass and again for the decode batch's buffer.
+    dropped; where rows share a prefix that ``prefill.shared_prefix`` reads once a pass
+    (only over the pool: ``cache/grouped_prefill.py``); or where the buffer, every layer's
+    context at once, would pass the pool's working set. Else the buffer: the exact decode
+    path, which CPUs and Metal take for rows of their own, holds one anyway, and a pass over
+    the pool gathers the context at every pass and again for the decode batch's buffer.
 
     Measured through the server on 2 CPU cores, the same requests one at a time, median TTFT
     of a chat's later turns (2026-12-07, two runs each): 384 tokens over 24,000 of its own
     on ``tiny-long``, 0.668 / 0.700 s from the pool, 0.627 / 0.631 s with the buffer (stock
     0.644 / 0.782); 48 over 1,200 on SmolLM2-135M, 0.674 / 0.691 s against 0.669 / 0.657
-    (stock 0.755 / 0.795). Rows sharing a cached prefix decode on the exact path there too
-    and take the buffer: the medium bench's agent sessions (``tiny-long``, 2 sessions on a
-    24,000-token prompt) had TTFT mean 0.667 / 0.655x stock's with those rows on the pool,
-    0.646 / 0.629x on buffers (seeds 0 / 1)."""
+    (stock 0.755 / 0.795). Rows sharing a cached prefix take the buffer there too (the CPU
+    keeps ``prefill.shared_prefix`` off, and they decode exact): the medium bench's agent
+    sessions (``tiny-long``, 2 sessions on a 24,000-token prompt) had TTFT mean 0.667 /
+    0.655x stock's with those rows on the pool, 0.646 / 0.629x on buffers (seeds 0 / 1)."""
     if decode_reads_pool:
         return True
+    if pool.prefill_shared != "off":
+        groups = group_rows([t.pages for t in tables], lengths, pool.page_size)
+        if any(len(g.rows) > 1 for g in groups):
+            return True
     budget = pool.prefill_working_bytes
     return budget is not None and len(tables) * max(lengths) * pool.bytes_per_token > budget
 
