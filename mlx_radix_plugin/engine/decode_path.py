@@ -314,8 +314,8 @@ class DecodePath:
     ) -> bool:
         if any(t.overflowed or t.released for t in tables):
             return False  # part of its K/V is only in a buffer
-        if self.mode == "on":
-            return True
+        if self.mode == "on" or len(lengths) + len(expected) <= self.rule.any_saving_up_to_rows:
+            return True  # the rule's first test, before grouping every row's pages
         ps = pool.page_size
         pages = [t.pages for t in tables] + [p for p, _ in expected]
         lengths = lengths + [n for _, n in expected]

@@ -424,14 +424,12 @@ class RadixBatchGenerator(BatchGenerator):
             return True  # rows outside the pool take the buffer in merge whatever is set
         lengths = [len(t.tokens or ()) for t in tables]
         ids = {id(t) for t in tables}
-        # Requests waiting for these rows' pages (in-flight sharing) join them as they are
-        # written: counted as sharing their prefix.
-        followed = any(
+        awaited = any(
             t is not None and t.depends is not None and id(t.depends[0]()) in ids
             for t in map(_table, self._unprocessed_sequences)
         )
         shared = self.decode_path.reads_pool(self._generation_batch, tables, lengths)
-        return followed or prefill_path.reads_pool(self.radix.pool, tables, lengths, shared)
+        return prefill_path.reads_pool(self.radix.pool, tables, lengths, shared, awaited)
 
     def _decode_caches(self, caches: list) -> list:
         """The decode path's caches for rows leaving the prompt batch (prefill_path.py)."""

@@ -93,16 +93,22 @@ def enable(
 
 
 def reads_pool(
-    pool: KVPool, tables: list[PageTable], lengths: list[int], decode_reads_pool: bool
+    pool: KVPool,
+    tables: list[PageTable],
+    lengths: list[int],
+    decode_reads_pool: bool,
+    awaited: bool,
 ) -> bool:
     """``auto``'s choice for a prompt batch of ``tables`` (rows ``lengths`` tokens long once
     prefilled): the pool where the rows decode on the shared path (``decode_reads_pool``,
     ``DecodePath.reads_pool``), which reads the pool, so a buffer would be made only to be
-    dropped; where rows share a prefix that ``prefill.shared_prefix`` reads once a pass
-    (only over the pool: ``cache/grouped_prefill.py``); or where the buffer, every layer's
-    context at once, would pass the pool's working set. Else the buffer: the exact decode
-    path, which CPUs and Metal take for rows of their own, holds one anyway, and a pass over
-    the pool gathers the context at every pass and again for the decode batch's buffer.
+    dropped; where requests wait for these rows' pages (``awaited``: in-flight sharing),
+    which they join as they are written, each with a copy of them in a buffer; where rows
+    share a prefix that ``prefill.shared_prefix`` reads once a pass (only over the pool:
+    ``cache/grouped_prefill.py``); or where the buffer, every layer's context at once, would
+    pass the pool's working set. Else the buffer: the exact decode path, which CPUs and
+    Metal take for rows of their own, holds one anyway, and a pass over the pool gathers the
+    context at every pass and again for the decode batch's buffer.
 
     Measured through the server on 2 CPU cores, the same requests one at a time, median TTFT
     of a chat's later turns (2026-12-07, two runs each): 384 tokens over 24,000 of its own
@@ -112,7 +118,7 @@ def reads_pool(
     keeps ``prefill.shared_prefix`` off, and they decode exact): the medium bench's agent
     sessions (``tiny-long``, 2 sessions on a 24,000-token prompt) had TTFT mean 0.667 /
     0.655x stock's with those rows on the pool, 0.646 / 0.629x on buffers (seeds 0 / 1)."""
-    if decode_reads_pool:
+    if decode_reads_pool or awaited:
         return True
     if pool.prefill_shared != "off":
         groups = group_rows([t.pages for t in tables], lengths, pool.page_size)
