@@ -159,7 +159,7 @@ def test_context_is_built_once_per_forward_not_per_layer(loaded, monkeypatch):
     assert built == forwards > 0
 
 
-@pytest.mark.parametrize("prefill", ["auto", "off"])
+@pytest.mark.parametrize("prefill", ["on", "off"])
 def test_a_decode_pass_writes_the_pool_once_per_array(loaded, monkeypatch, prefill):
     model, tok = loaded("llama")
     rpc = RadixPromptCache(KVPool.for_model(model, page_size=PS, pool_tokens=2048))

@@ -202,3 +202,35 @@ def test_stop_sequences_across_a_first_token_handed_over_early_and_rows_joining_
         engine.first_tokens_at_once = True
         got = calls_of(engine, prompts, max_tokens, stops, join_at)
         same_but_first_tokens_sooner(got, expected, max_tokens, ended_by_first=(1,))
+
+
+def test_a_row_hands_its_first_token_over_before_later_rows_prefill(loaded):
+    """A request that arrives just after another's prompt pass starts in the call after the
+    one that hands the first one's first token over: that token does not wait for the
+    newcomer's pass. Without first tokens at once (a GPU's setting) it starts as in stock.
+    Tokens stay stock's."""
+    model, tok = loaded("llama")
+    prompts = [tok.encode(t) for t in ("Once upon a time", "The quick brown fox")]
+    expected = calls_of(BatchGenerator(model, completion_batch_size=4), prompts, [4, 4], None, 1)
+    for at_once in (True, False):
+        pool = KVPool.for_model(model, page_size=4, pool_tokens=1024)
+        engine = RadixBatchGenerator(model, RadixPromptCache(pool), completion_batch_size=4)
+        engine.first_tokens_at_once = at_once
+        (first,) = engine.insert([prompts[0]], max_tokens=[4])
+        engine.next()  # the first prompt's pass
+        (later,) = engine.insert([prompts[1]], max_tokens=[4])
+        passes, tokens, call = [], {first: [], later: []}, 1
+        while len(tokens[first]) < 4 or len(tokens[later]) < 4:
+            call += 1
+            assert call < 20, "a row never finished"
+            prompt_responses, responses = engine.next()
+            if any(r.uid == later and not r.end_of_prompt for r in prompt_responses):
+                passes.append(call)
+            for r in responses:
+                tokens[r.uid].append((call, r.token))
+        engine.close()
+        assert tokens[first][0][0] == (2 if at_once else 3)  # stock's: the call after
+        assert passes[0] == (3 if at_once else 2)
+        assert [[t for _, t in tokens[u]] for u in (first, later)] == [
+            [r[1] for r in row] for row in expected
+        ]

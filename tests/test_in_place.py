@@ -16,6 +16,7 @@ from test_shared_prefix import (
     prefix_of,
     question,
     radix,
+    until_all_decode_shared,
     warm,
 )
 
@@ -55,8 +56,7 @@ def test_a_shared_step_launches_its_stores_with_it_and_waits_for_nothing(loaded,
     monkeypatch.setattr(in_place, "IN_PLACE", True)
     monkeypatch.setattr(in_place, "store", store)
     gen, rpc = on_a_shared_prefix(model, tok, 4, 12)
-    while gen.decode_stats["decode_path"] != "shared":
-        gen.next()
+    until_all_decode_shared(gen, 4)
     # The batch's first decode step is mlx-lm's own (the prompt batch's ``generate``): no
     # launch of ours takes its stores, and the next step launches them on their own first.
     gen.next()

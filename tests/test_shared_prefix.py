@@ -81,6 +81,13 @@ def admit(gen, rpc, prompts, max_tokens, **kwargs) -> list[int]:
     )
 
 
+def until_all_decode_shared(gen, rows: int) -> None:
+    """Step ``gen`` until its ``rows`` requests all decode, on the shared path: requests that
+    follow another's prefix start once its first token has gone out (generator.py)."""
+    while len(gen._generation_batch) < rows or gen.decode_stats["decode_path"] != "shared":
+        gen.next()
+
+
 def decode(gen, uids, total: int) -> list[list[int]]:
     """Step the engine ``gen`` until its requests ``uids`` have ``total`` tokens between them;
     returns each request's tokens, in ``uids``' order, and closes it."""
@@ -284,8 +291,7 @@ def test_a_pass_writes_the_pool_only_once_the_pass_before_it_has_stopped_reading
     the engine does not evaluate them on its own between shared steps."""
     model, tok = loaded("llama")
     gen, rpc = on_a_shared_prefix(model, tok, 4, 12)
-    while gen.decode_stats["decode_path"] != "shared":
-        gen.next()
+    until_all_decode_shared(gen, 4)
     gen.next()  # a pass now runs, announced as reading the pool
 
     events = []
