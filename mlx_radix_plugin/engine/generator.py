@@ -544,20 +544,21 @@ class RadixBatchGenerator(BatchGenerator):
         self.clock.begin_call()
         self.decode_path.count_step(self._generation_batch)
         configured = self.prefill_batch_size
-        self.prefill_batch_size = self._prefill_rows()
+        # Rows finishing their prompts take their first step in this call and hand its
+        # token over at its end (first_tokens): a prompt pass for new rows started here
+        # would run before that, so new rows start in the next call. Measured on 2 CPU
+        # cores (SmolLM2-135M, float32): a chat turn reaching an idle server 0.2 s before 7
+        # others got its first token with theirs, 2.9-3.6 s (stock 0.5-0.6, whose 0.5 s
+        # between looks at its queue let it through), now 0.47-0.57 s, the others 2.8-3.3 s
+        # as before. The medium conversations (8 chats x 5 turns, medians of 3 rounds,
+        # seeds 0 / 1): TTFT mean 0.61 / 0.71x stock's (1.08-1.14x before), wall 0.90 /
+        # 0.99x, a request's whole time 9.04 s against stock's 9.81 (seed 0); the time a
+        # token while a reply streams 1.18 / 1.19x (0.84-0.96x): the other turns' passes
+        # now fall inside replies already streaming, not before their first tokens.
         if self.first_tokens_at_once and self._joining():
-            # Rows finishing their prompts take their first step in this call and hand its
-            # token over at its end (first_tokens): a prompt pass for new rows started here
-            # would run before that, so new rows start in the next call. Measured on 2 CPU
-            # cores (SmolLM2-135M, float32): a chat turn reaching an idle server 0.2 s before 7
-            # others got its first token with theirs, 2.9-3.6 s (stock 0.5-0.6, whose 0.5 s
-            # between looks at its queue let it through), now 0.47-0.57 s, the others 2.8-3.3 s
-            # as before. The medium conversations (8 chats x 5 turns, medians of 3 rounds,
-            # seeds 0 / 1): TTFT mean 0.61 / 0.71x stock's (1.08-1.14x before), wall 0.90 /
-            # 0.99x, a request's whole time 9.04 s against stock's 9.81 (seed 0); the time a
-            # token while a reply streams 1.18 / 1.19x (0.84-0.96x): the other turns' passes
-            # now fall inside replies already streaming, not before their first tokens.
-            self.prefill_batch_size = len(self._prompt_batch)
+            self.prefill_batch_size = len(self._prompt_batch)  # no new rows in this call
+        else:
+            self.prefill_batch_size = self._prefill_rows()
         if pool.freed_buffers is not None:
             pool.freed_buffers.make_room()
         working = pool.working_set
