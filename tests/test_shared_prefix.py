@@ -557,8 +557,7 @@ def test_masked_columns_are_whole_buckets_of_prefixes_and_own_tokens(loaded, mon
 
     monkeypatch.setattr(attention, "VARIANT", "masked")
     monkeypatch.setattr(attention, "masked_attention", spy)
-    while len(gen._generation_batch) < 3 or gen.decode_stats["decode_path"] != "shared":
-        gen.next()
+    until_all_decode_shared(gen, 3)
     seen.clear()
     gen.next()
     gen.close()
