@@ -95,15 +95,33 @@ class _Cache:
     rows = _Rows()
 
 
-@pytest.mark.parametrize("padding", [[0, 0], [0, 9], [17, 3]])
-def test_the_causal_kernels_rows_each_over_their_own_columns(monkeypatch, padding):
+@pytest.mark.parametrize(
+    "padding,budget,calls",
+    [
+        ([0, 0], None, 1),
+        ([0, 9], None, 1),
+        ([17, 3], None, 1),
+        ([5, 0, 30], None, 1),
+        ([0, 31], None, 2),
+        ([0, 9], 2 * 2 * 2 * 520 * 32 * 4 - 1, 2),
+    ],
+)
+def test_the_causal_kernels_rows_each_over_their_own_columns(monkeypatch, padding, budget, calls):
     """Where cuDNN's flash attention serves (CUDA), each padded row attends over its own
-    columns with the causal mask; computed here by MLX's CPU path, as a check of the split."""
+    columns with the causal mask: rows whose padding is at most a quarter of the pass's 120
+    queries, and whose keys and values fit the attention's share of the working set, in one
+    call, each row's padding moved after its keys (``rolled``), others a call each. Computed
+    here by MLX's CPU path, as a check of the layout."""
     monkeypatch.setattr(prompt_attention, "fused_causal", lambda *a: True)
-    q, k, v, mask = inputs((2, 8, 2, 120, 400, 32), padding, seed=2)
+    monkeypatch.setattr(_Pool, "attention_bytes", budget)
+    made = []
+    causal = prompt_attention.causal
+    monkeypatch.setattr(prompt_attention, "causal", lambda *a: made.append(a) or causal(*a))
+    q, k, v, mask = inputs((len(padding), 8, 2, 120, 400, 32), padding, seed=2)
     stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
     out = prompt_attention.prompt_attention(q, k, v, _Cache(), 0.2, mask, padding=padding)
     assert mx.abs(out - stock).max().item() <= FIDELITY_TOLERANCE * mx.abs(stock).max().item()
+    assert len(made) == calls
 
 
 def test_only_the_passs_own_causal_mask_gives_way_to_the_causal_kernel(loaded, monkeypatch):

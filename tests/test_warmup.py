@@ -6,7 +6,9 @@ from test_paged_prefill import _plans
 from test_server import GREEDY, SYSTEM, hf_cache, start  # noqa: F401 - fixtures
 from tiny_models import ARCHS, HYBRID_ARCHS
 
-from mlx_radix_plugin.engine import attention, warmup
+from mlx_radix_plugin.cache.prompt_cache import RadixPromptCache
+from mlx_radix_plugin.engine import attention, prompt_attention, warmup
+from mlx_radix_plugin.engine.generator import RadixBatchGenerator
 from mlx_radix_plugin.memory.pool import KVPool
 
 
@@ -44,6 +46,39 @@ def test_the_warm_up_reads_pages_within_one_chunk_and_across_chunks(loaded, monk
     model, _ = loaded("llama")
     warmup.warm_up(model, page_size=4, shared_prefix="auto")
     assert min(spans) == 1 and max(spans) > 1
+
+
+def test_the_warm_up_builds_the_attention_of_a_fresh_prompts_passes(loaded, monkeypatch):
+    """Where cuDNN serves prompt attention (forced here: the CPU computes the same call), a
+    graph is built for each new call shape: the warm-up makes the calls of a fresh prompt's
+    passes up to the model's context, so that a long prompt builds none but its last pass's."""
+    monkeypatch.setattr(prompt_attention, "fused_causal", lambda *a: True)
+    calls = []
+    stock = prompt_attention._STOCK
+
+    def recorded(q, k, v, cache, scale, mask, sinks=None):
+        if mask == "causal":
+            calls.append((q.shape, k.shape, v.shape, q.dtype))
+        return stock(q, k, v, cache, scale=scale, mask=mask, sinks=sinks)
+
+    monkeypatch.setattr(prompt_attention, "_STOCK", recorded)
+    monkeypatch.setattr(prompt_attention, "_CAUSAL_GEOMETRIES", set())
+    model, _ = loaded("llama")
+    step, context = 32, 160
+    warmup.warm_up(model, page_size=4, shared_prefix="off", prefill_step=step, context=context)
+    built = set(calls)
+    assert {k[2] for _, k, _, _ in built} >= set(range(step, context + 1, step))
+
+    calls.clear()
+    pool = KVPool.for_model(model, page_size=4, pool_tokens=512)
+    rpc = RadixPromptCache(pool)
+    gen = RadixBatchGenerator(model, rpc, prefill_from_pool="on", prefill_step_size=step)
+    warmup._serve(gen, rpc, [[3 + i % 50 for i in range(context - 10)]])
+    passes = {c for c in calls if c[0][2] == step}
+    assert {k[2] for _, k, _, _ in passes} == {32, 64, 96, 128}
+    assert passes <= built
+    # The last pass has its own shape: 149 tokens prefilled (the last is the first step's).
+    assert {c[0][2] for c in calls} == {step, 21}
 
 
 def test_auto_warms_up_on_a_gpu_only():

@@ -9,8 +9,9 @@ tokens go through the engine on a pool of their own: a prompt alone (prefill, pa
 decode), then requests on its cached prefix together (the prefix read from the pool into a
 batch, suffixes prefilled together reading it once unless ``prefill.shared_prefix`` is
 ``off``, a batch decoding) and, unless ``decode.shared_prefix``
-is ``off``, the same batch on the shared-prefix path. The tree and pool that serve
-requests are left as they were.
+is ``off``, the same batch on the shared-prefix path. Where cuDNN serves prompt attention
+(CUDA), the attention of a fresh prompt's passes up to the model's context is built too. The
+tree and pool that serve requests are left as they were.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from mlx_lm_hooks.validation import vocab_size
 
 from ..cache.prompt_cache import RadixPromptCache
 from ..memory.pool import KVPool
-from . import attention
+from . import attention, prompt_attention
 from .decode_path import backend
 from .generator import RadixBatchGenerator
 
@@ -42,10 +43,19 @@ def enabled(mode: str) -> bool:
     return mode == "on" or (mode == "auto" and mx.default_device() != mx.cpu)
 
 
-def warm_up(model, page_size: int, shared_prefix: str, prefill_shared: str = "off") -> float:
+def warm_up(
+    model,
+    page_size: int,
+    shared_prefix: str,
+    prefill_shared: str = "off",
+    prefill_step: int = 2048,
+    context: int | None = None,
+) -> float:
     """Run the engine's paths on a scratch pool; seconds taken. ``prefill_shared``: the
     server's ``prefill.shared_prefix`` (unless ``off``, the requests on the cached prefix
-    prefill their suffixes together reading it once)."""
+    prefill their suffixes together reading it once). ``prefill_step``: the server's
+    ``--prefill-step-size``; ``context``: the most tokens a prompt may have, whose passes'
+    attention graphs are built here where cuDNN serves them (``prompt_attention.prebuild``)."""
     start = time.perf_counter()
     vocab = vocab_size(model) or 256  # ids the warm-up's random prompts take
     rng = random.Random(0)  # the same tokens on every rank of mlx.launch
@@ -66,6 +76,12 @@ def warm_up(model, page_size: int, shared_prefix: str, prefill_shared: str = "of
         chunk_bytes=CROSSING_PAGES * pool.bytes_per_page,
     )
     _run_paths(model, pool, prefix, own, shared_prefix, prefill_shared)
+    if context:
+        # A fresh prompt over the pool, alone: where cuDNN serves prompt attention, its call
+        # shows ``prebuild`` the model's geometry.
+        rpc = RadixPromptCache(KVPool.for_model(model, page_size=page_size, pool_tokens=tokens))
+        _serve(RadixBatchGenerator(model, rpc, prefill_from_pool="on"), rpc, [own[0] * 4])
+        prompt_attention.prebuild(prefill_step, context)
     del pool
     mx.clear_cache()
     return time.perf_counter() - start

@@ -13,6 +13,7 @@ from typing import Any
 
 from mlx_lm_hooks.hookspecs import hookimpl
 from mlx_lm_hooks.routes import RouteRequest, RouteResponse
+from mlx_lm_hooks.server import context_length
 
 from ..agents import plugin as agents
 from ..cache.prompt_cache import idle_stats
@@ -123,7 +124,7 @@ class RadixPlugin:
             # context's 0.5 GB), which the plan must read as used, not as the pool's room.
             prepared = self._may_serve(model, draft_model, cli_args)
             if prepared:
-                self._prepare(model)
+                self._prepare(model, cli_args)
             self.cache.bind(model, model_key, draft_model, cli_args, tokenizer)
             if prepared and self.cache.radix is None:  # it fell back to stock's cache
                 compiled_layers.uninstall(model)
@@ -143,7 +144,7 @@ class RadixPlugin:
             return False
         return True
 
-    def _prepare(self, model) -> None:
+    def _prepare(self, model, cli_args) -> None:
         # Fewer matmuls and graph nodes a step (engine/fused_projections.py).
         fuse = fused_projections.enabled(self.config["model.fuse_projections"])
         groups = fused_projections.prepare(model, fuse)
@@ -155,9 +156,9 @@ class RadixPlugin:
             if layers:
                 log.info("radix: %d layers decode through compiled calls", layers)
         if warmup.enabled(self.config["decode.warmup"]):
-            self._warm_up(model)
+            self._warm_up(model, getattr(cli_args, "prefill_step_size", None) or 2048)
 
-    def _warm_up(self, model) -> None:
+    def _warm_up(self, model, prefill_step: int) -> None:
         page_size = self.config["radix.page_size"]
         try:
             seconds = warmup.warm_up(
@@ -165,6 +166,8 @@ class RadixPlugin:
                 page_size,
                 self.config["decode.shared_prefix"],
                 self.config["prefill.shared_prefix"],
+                prefill_step,
+                context_length(model),
             )
         except Exception:  # noqa: BLE001 - requests then build what they need, as stock's do
             log.exception("radix warm-up failed; the first requests build their kernels")

@@ -289,7 +289,7 @@ RATES_BLOCK = Block(
 # -- the GPU: tools/gpu_bench ---------------------------------------------------------
 
 GPU = "gpu-h200-2026-12-04-serving.json"
-HEADLINE = Source(GPU, "compile_headline_h100")
+HEADLINE = Source(GPU, "headline_h100_2026_12_07")
 AGENT = Source(GPU, "plan_after_prepare_agent_h100")
 LONG = Source(GPU, "long_warm_h100")
 CLIENTS = Source(GPU, "clients_agent_h100")
