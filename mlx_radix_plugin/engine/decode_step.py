@@ -95,9 +95,9 @@ class BulkGenerationBatch(GenerationBatch):
     def next(self):
         """mlx-lm's ``next``, less the first tokens ``first_tokens`` handed over: those
         rows are counted and matched again from where they stood, with the same result."""
-        early = {self.uids[i] for i, m in enumerate(self._early) if m is not None}
-        if not early:
+        if self._early.count(None) == len(self._early):  # the usual step: no row handed over
             return super().next()
+        early = {self.uids[i] for i, m in enumerate(self._early) if m is not None}
         for i, matcher in enumerate(self._early):
             if matcher is not None:
                 self._matchers[i] = matcher
@@ -109,6 +109,8 @@ class BulkGenerationBatch(GenerationBatch):
         """Responses for the first tokens of the rows that joined since the last ``next``,
         which their own first step has computed; a row whose first token ends it waits
         for ``next`` as in stock, whose finished rows hold that token's K/V."""
+        if 0 not in self._num_tokens:  # the usual call: every row has a token already
+            return []
         fresh = [
             i for i, (n, m) in enumerate(zip(self._num_tokens, self._early)) if not n and m is None
         ]
@@ -238,7 +240,8 @@ class BulkGenerationBatch(GenerationBatch):
 def _host_values(picked: list, rows: list, tokens: list[int]) -> list[float]:
     """Each row's sampled log-probability as a Python float: one ``tolist`` of each step's
     picked array, and for rows whose step was mlx-lm's, their picks stacked once."""
-    host = {id(a): a.tolist() for a, _ in filter(None, picked)}
+    arrays = {id(p[0]): p[0] for p in picked if p}  # a step's rows share one array
+    host = {key: a.tolist() for key, a in arrays.items()}
     values = [host[id(p[0])][p[1]] if p else None for p in picked]
     missing = [e for e, v in enumerate(values) if v is None]
     if missing:

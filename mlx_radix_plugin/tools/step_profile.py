@@ -11,7 +11,9 @@ every row decodes, each step's wall time is split into the host's parts:
 - ``launch_ms``: ``mx.async_eval`` of the next step, which on a GPU encodes and launches its
   kernels (on MLX's CUDA backend: adding them to a CUDA graph, updating and launching it);
 - ``wait_ms``: ``mx.eval`` of the step before, that is waiting for the device;
-- ``other_ms``: the rest (sampling's and logits processors' graphs, per-row Python).
+- ``other_ms``: the rest (sampling's and logits processors' graphs, per-row Python);
+- ``host_ms``: ``model_ms`` and ``other_ms`` together, the host's own work around the
+  device's (each a median of steps, so they need not add up).
 
 Where ``nvidia-smi`` answers, ``device_busy`` is the GPU's utilization over the same steps
 (the share of time a kernel ran) and ``device_ms`` that share of a step: what the device
@@ -199,7 +201,12 @@ def _summary(measured: list, parts: list, ops: Counter, gpu) -> dict:
     out = {"step_ms": round(1000 * statistics.median(w for _, w in measured), 3)}
     for part in PARTS:
         out[part] = round(1000 * statistics.median(p[part] for p in parts), 3)
-    out["other_ms"] = round(out["step_ms"] - sum(out[p] for p in PARTS), 3)
+    # Of each step, then the median: a difference of medians moved with the launch's spread
+    # (on 2 CPU cores, where a launch computes the step, by 0.1-0.2 ms from run to run).
+    rest = [w - sum(p[part] for part in PARTS) for (_, w), p in zip(measured, parts)]
+    own = [w - p["launch_ms"] - p["wait_ms"] for (_, w), p in zip(measured, parts)]
+    out["other_ms"] = round(1000 * statistics.median(rest), 3)
+    out["host_ms"] = round(1000 * statistics.median(own), 3)
     busy = gpu.mean(measured[0][0], measured[-1][0] + measured[-1][1])
     if busy is not None:
         out["device_busy"] = round(busy, 3)
