@@ -53,6 +53,7 @@ def test_the_warm_up_builds_the_attention_of_a_fresh_prompts_passes(loaded, monk
     graph is built for each new call shape: the warm-up makes the calls of a fresh prompt's
     passes up to the model's context, so that a long prompt builds none but its last pass's."""
     monkeypatch.setattr(prompt_attention, "fused_causal", lambda *a: True)
+    monkeypatch.setattr(warmup, "backend", lambda: "cuda")
     calls = []
     stock = prompt_attention._STOCK
 

@@ -76,7 +76,7 @@ def warm_up(
         chunk_bytes=CROSSING_PAGES * pool.bytes_per_page,
     )
     _run_paths(model, pool, prefix, own, shared_prefix, prefill_shared)
-    if context:
+    if context and backend() == "cuda":
         # A fresh prompt over the pool, alone: where cuDNN serves prompt attention, its call
         # shows ``prebuild`` the model's geometry.
         rpc = RadixPromptCache(KVPool.for_model(model, page_size=page_size, pool_tokens=tokens))
