@@ -126,21 +126,14 @@ def rolled(
     most = max(padding)
     qs, ks, vs = [], [], []
     for i, p in enumerate(padding):
-        qs.append(_pad(queries[i : i + 1], most - p, p))
-        ks.append(_pad(keys[i : i + 1, :, p:], 0, p))
-        vs.append(_pad(values[i : i + 1, :, p:], 0, p))
+        qs.append(mx.pad(queries[i : i + 1], [(0, 0), (0, 0), (most - p, p), (0, 0)]))
+        ks.append(mx.pad(keys[i : i + 1, :, p:], [(0, 0), (0, 0), (0, p), (0, 0)]))
+        vs.append(mx.pad(values[i : i + 1, :, p:], [(0, 0), (0, 0), (0, p), (0, 0)]))
     q, k, v = (mx.concatenate(x, axis=0) for x in (qs, ks, vs))
     out = causal(q, k, v, scale)
     return mx.concatenate(
         [out[i : i + 1, :, most - p : most - p + S] for i, p in enumerate(padding)], axis=0
     )
-
-
-def _pad(x: mx.array, before: int, after: int) -> mx.array:
-    """``x`` ``(1, heads, n, dim)`` with ``before`` and ``after`` zero rows along ``n``."""
-    parts = [mx.zeros((*x.shape[:2], n, x.shape[-1]), x.dtype) for n in (before, after)]
-    kept = [part for part, n in zip([parts[0], x, parts[1]], (before, 1, after)) if n]
-    return kept[0] if len(kept) == 1 else mx.concatenate(kept, axis=2)
 
 
 def causal(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
