@@ -379,6 +379,60 @@ def test_a_pass_whose_scores_would_pass_the_working_set_takes_fewer_queries(load
             assert mx.abs(a - b).max().item() <= FIDELITY_TOLERANCE * scale
 
 
+def test_a_pass_through_cudnns_causal_call_is_not_split_for_scores_it_does_not_hold(
+    loaded, monkeypatch
+):
+    """Through cuDNN's causal call (``prompt_attention.fused_causal``, forced here: MLX's CPU
+    path computes the call) a pass holds no scores, only its rows' K/V copied for the call:
+    a working set that the scores' share would split passes under takes them whole there.
+    Same tokens, logits within the tolerance."""
+    from mlx_radix_plugin.cache.paged_batch import MIN_QUERY_STEP
+    from mlx_radix_plugin.engine import prompt_attention
+    from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
+    from mlx_radix_plugin.memory.budget import activation_bytes_per_token
+
+    model, tok = loaded("llama")
+    prefix = prefix_of(tok, 40)
+    own, rows = 2 * MIN_QUERY_STEP + 20, 4
+    prompts = [prefix + (question(tok, i) * 20)[:own] for i in range(rows)]
+    passes = []
+    call = type(model).__call__
+
+    def recorded(self, inputs, *args, **kwargs):
+        passes.append(inputs.shape[1])
+        return call(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", recorded)
+    runs, prefills = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr(prompt_attention, "fused_causal", lambda *a, f=fused: f)
+        rpc = radix(model)
+        warm(model, rpc, [prefix])
+        pool = rpc.pool
+        # One layer of the pass through the causal call: its context laid out (two copies
+        # as wide as the buffer, which grows 256 columns at a time), its K/V copied for the
+        # call (two copies), its tokens' activations and staged K/V.
+        layer_kv = pool.specs[0].bytes_per_token(pool.dtype)
+        columns = len(prefix) + own + 256
+        token = activation_bytes_per_token(model, pool.bytes_per_token) + pool.bytes_per_token
+        pool.prefill_working_bytes = 4 * rows * columns * layer_kv + rows * own * token
+        pool.attention_bytes = pool.prefill_working_bytes  # the scores' share: all of it
+        pool.prompt_attention_fused = fused  # as the passes before this one left it
+        passes.clear()
+        runs[fused] = prefill_run(model, tok, rpc, prompts, prefill="on", step=2048)
+        prefills[fused] = [n for n in passes if n > 1]
+        assert pool.prompt_attention_fused is fused
+    # The same tokens prefilled: whole through the causal call, else in the fewest queries.
+    assert min(prefills[True]) > 2 * MIN_QUERY_STEP and max(prefills[False]) == MIN_QUERY_STEP
+    assert sum(prefills[True]) == sum(prefills[False])
+    (tokens, logits, _), (split_tokens, split_logits, _) = runs[True], runs[False]
+    assert tokens == split_tokens
+    for i, steps in split_logits.items():
+        for a, b in zip(logits[i], steps):
+            scale = mx.abs(b).max().item()
+            assert mx.abs(a - b).max().item() <= FIDELITY_TOLERANCE * scale
+
+
 @pytest.mark.parametrize("bounded", [False, True])
 def test_a_pass_empties_mlx_s_buffer_cache_only_where_the_server_does_not_bound_it(
     loaded, monkeypatch, bounded

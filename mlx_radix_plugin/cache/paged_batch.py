@@ -168,7 +168,7 @@ class PagedBatchKVCache:
             return None
         columns = max(self._capacity, self._idx + longest)
         pool, rows = self.rows.pool, len(self.rows.tables)
-        if pool.attention_bound is not None:
+        if pool.attention_bound is not None and not pool.prompt_attention_fused:
             # Attention within its share whatever the queries: they cost their tokens only.
             fixed = self._layer_bytes(0, columns) + pool.attention_bound
             step = (budget - fixed) // max(1, rows * pool.prefill_token_bytes)
@@ -182,8 +182,8 @@ class PagedBatchKVCache:
     def _layer_bytes(self, queries: int, columns: int, layer: int | None = None) -> int:
         """One layer's temporaries (``layer``, this one by default) in a pass of ``queries``
         over ``columns``: its rows' context gathered and laid out (two copies as wide as the
-        buffer), two float32 copies of its queries' scores over them, and its tokens'
-        activations and staged K/V (``KVPool.prefill_token_bytes``).
+        buffer), its attention's temporaries and its tokens' activations and staged K/V
+        (``pass_bytes``).
 
         A batch's mask is an array, with which MLX's attention computes the scores whole on
         CUDA and the CPU (cuDNN takes no boolean mask) and holds them with their masked copy

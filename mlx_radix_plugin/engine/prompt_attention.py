@@ -85,7 +85,10 @@ def prompt_attention(
     plain = mask == "causal" if isinstance(mask, str) else getattr(mask, "dtype", None) == mx.bool_
     if pool.prefill_attention == "off" or S == 1 or not plain:
         return _STOCK(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-    if padding is not None and fused_causal(queries, keys, values, sinks):
+    fused = padding is not None and fused_causal(queries, keys, values, sinks)
+    if padding is not None:
+        pool.prompt_attention_fused = fused  # what the next passes' estimates count
+    if fused:
         if not any(padding):
             return causal(queries, keys, values, scale)
         # The rows' keys and values copied: within the share of the working set that the
