@@ -3,6 +3,7 @@
 errors included."""
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -31,11 +32,19 @@ def req(text: str) -> CompletionRequest:
     return CompletionRequest("text", text, [], None, None)
 
 
+def until(condition, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
 def test_requests_behind_are_tokenized_on_workers_and_taken_in_order():
     tokenize, tok = Recorder(), object()
     pre = Prefetcher(tokenize, workers=2)
     a, b, c = req("a"), req("bc"), req("def")
     assert pre.take(tok, a, None, [(b, None), (c, None)]) == ([97], tok)
+    until(lambda: len(tokenize.calls) == 3)  # the workers have run
     assert pre.take(tok, b, None, [(c, None)]) == ([98, 99], tok)
     assert pre.take(tok, c, None, []) == ([100, 101, 102], tok)
     pre.close()
@@ -70,6 +79,84 @@ def test_what_left_the_queue_or_another_tokenizer_is_not_used():
     pre.close()
     mine = threading.current_thread().name
     assert [p for p, t in tokenize.calls if t == mine] == ["a", "z", "c", "b"]
+
+
+def test_a_request_offered_as_it_is_queued_is_tokenized_before_it_is_taken():
+    """A burst's requests arrive while the generation thread takes the first: each is started
+    on a worker as it is queued (``offer``), and kept while a look at the queue began before
+    it was queued; two looks in a row that do not see it drop it."""
+    tokenize, tok = Recorder(), object()
+    pre = Prefetcher(tokenize, workers=2)
+    a, b, c = req("a"), req("b"), req("c")
+    pre.offer(tok, b, None)
+    pre.offer(tok, c, None)
+    until(lambda: len(tokenize.calls) == 2)
+    # a's look at the queue was made before b and c were queued: they are kept.
+    assert pre.take(tok, a, None, []) == ([97], tok)
+    assert pre.take(tok, b, None, [(c, None)]) == ([98], tok)
+    # c is not seen by two looks in a row: it left the queue, and is tokenized again.
+    pre.take(tok, req("y"), None, [])
+    pre.take(tok, req("z"), None, [])
+    assert pre.take(tok, c, None, []) == ([99], tok)
+    pre.close()
+    mine = threading.current_thread().name
+    assert [p for p, t in tokenize.calls if t == mine] == ["a", "y", "z", "c"]
+    assert [p for p, t in tokenize.calls if t != mine] == ["b", "c"]
+
+
+def test_a_request_no_worker_has_started_is_tokenized_by_the_caller():
+    """The generation thread does not wait behind busy workers for a request they have not
+    started: it tokenizes it itself."""
+    recorder, tok, started, release = Recorder(), object(), threading.Event(), threading.Event()
+
+    def tokenize(tokenizer, request, args):
+        if request.prompt == "a":  # the only worker is busy with a until released
+            started.set()
+            release.wait(10)
+        return recorder(tokenizer, request, args)
+
+    pre = Prefetcher(tokenize, workers=1)
+    a, b = req("a"), req("b")
+    pre.offer(tok, a, None)
+    pre.offer(tok, b, None)
+    started.wait(10)
+    try:
+        assert pre.take(tok, b, None, [(a, None)]) == ([98], tok)
+    finally:
+        release.set()
+        pre.close()
+    assert recorder.calls[0] == ("b", threading.current_thread().name)
+
+
+def test_waiting_for_a_worker_the_caller_tokenizes_what_no_worker_has_started():
+    """On few cores a burst outnumbers the workers: while the generation thread waits for the
+    request it takes, it tokenizes those queued behind it that no worker has started."""
+    recorder, tok, started, release = Recorder(), object(), threading.Event(), threading.Event()
+
+    def tokenize(tokenizer, request, args):
+        if request.prompt == "a":  # the only worker is busy with a until c is done
+            started.set()
+            release.wait(10)
+        out = recorder(tokenizer, request, args)
+        if request.prompt == "c":
+            release.set()
+        return out
+
+    pre = Prefetcher(tokenize, workers=1)
+    a, b, c, bad = req("a"), req("b"), req("c"), req("bad")
+    for r in (a, b, bad, c):
+        pre.offer(tok, r, None)
+    started.wait(10)
+    queued = [(b, None), (bad, None), (c, None)]
+    assert pre.take(tok, a, None, queued) == ([97], tok)
+    assert pre.take(tok, b, None, queued[1:]) == ([98], tok)
+    with pytest.raises(ValueError, match="a bad prompt"):
+        pre.take(tok, bad, None, queued[2:])
+    assert pre.take(tok, c, None, []) == ([99], tok)
+    pre.close()
+    mine = threading.current_thread().name
+    assert recorder.calls[:3] == [("b", mine), ("bad", mine), ("c", mine)]
+    assert recorder.calls[3][0] == "a" and recorder.calls[3][1].startswith("tokenize-ahead")
 
 
 def test_no_workers_tokenizes_on_the_caller_only():

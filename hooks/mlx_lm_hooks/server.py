@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
 from http.server import ThreadingHTTPServer
@@ -176,12 +177,16 @@ class _RequestQueue(Queue):
         super().__init__()
         self.responses: weakref.WeakSet = weakref.WeakSet()
         self._of: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Told of each request as it is queued (the generator's ``_tokenize_ahead``).
+        self.on_put: Callable[[tuple], None] | None = None
 
     def put(self, item, block=True, timeout=None):
         if isinstance(item, tuple):  # (response queue, request, arguments)
             self.responses.add(item[0])
             self._of[id(item[1])] = item[0]
         super().put(item, block, timeout)
+        if self.on_put is not None and isinstance(item, tuple):
+            self.on_put(item)
 
     def responses_of(self, request) -> Queue | None:
         """The response queue of ``request`` while its handler holds it."""
@@ -470,6 +475,9 @@ def _response_generator_class(stock, budget):
                 partial(_tokenize_rendered, stock._tokenize, self),
                 workers=0 if self._is_distributed else None,
             )
+            # The tokenizer and model the generation thread took the last request with.
+            self._last_taken: tuple | None = None
+            self.requests.on_put = self._tokenize_ahead
 
         def _run_generate(self):
             # Stock lets an exception in a step (a CUDA out-of-memory error, say) end this
@@ -538,6 +546,7 @@ def _response_generator_class(stock, budget):
         def _tokenize(self, tokenizer, request, args):
             # Runs on the generation thread, inside the try that turns an exception into
             # this request's error; what is refused here never reaches insert_segments.
+            self._last_taken = (tokenizer, args.model)
             try:
                 prompt, *rest = self._prefetcher.take(tokenizer, request, args, self._waiting(args))
             except (TypeError, ValueError) as e:
@@ -574,19 +583,28 @@ def _response_generator_class(stock, budget):
                 return []
             with self.requests.mutex:
                 items = list(itertools.islice(self.requests.queue, MAX_AHEAD))
-            waiting = []
-            for item in items:
-                try:
-                    _, request, other = item
-                    if (
-                        other.model == args.model
-                        and self._is_batchable(other)
-                        and not any(_image_parts(request.messages))
-                    ):
-                        waiting.append((request, other))
-                except Exception:
-                    continue
-            return waiting
+            return [item[1:] for item in items if self._batches_with(item, args.model)]
+
+        def _batches_with(self, item, model) -> bool:
+            """Whether queued ``item`` is one stock's loop will tokenize with the tokenizer
+            of ``model``: batchable, for that model, without images. An item this cannot
+            read is left to its own turn."""
+            try:
+                _, request, args = item
+                return (
+                    args.model == model
+                    and self._is_batchable(args)
+                    and not any(_image_parts(request.messages))
+                )
+            except Exception:
+                return False
+
+        def _tokenize_ahead(self, item: tuple) -> None:
+            """A request as its handler queues it: tokenized on a worker from now, where it
+            is for the model the generation thread took the last request for."""
+            last = self._last_taken
+            if last is not None and self._prefetcher.workers and self._batches_with(item, last[1]):
+                self._prefetcher.offer(last[0], item[1], item[2])
 
         def stop_and_join(self):
             super().stop_and_join()
