@@ -289,9 +289,9 @@ RATES_BLOCK = Block(
 # -- the GPU: tools/gpu_bench ---------------------------------------------------------
 
 GPU = "gpu-h200-2026-12-04-serving.json"
-HEADLINE = Source(GPU, "headline_h100_2026_12_07")
+HEADLINE = Source(GPU, "headline_h100_2026_12_07_b")
 AGENT = Source(GPU, "plan_after_prepare_agent_h100")
-LONG = Source(GPU, "long_warm_h100")
+LONG = Source(GPU, "long_h100_2026_12_07_c")
 CLIENTS = Source(GPU, "clients_agent_h100")
 CHATS = Source(GPU, "conversations_h100")
 ONE_B = Source(GPU, "compile_1b_auto_h100")
