@@ -383,9 +383,9 @@ def test_a_pass_through_cudnns_causal_call_is_not_split_for_scores_it_does_not_h
     loaded, monkeypatch
 ):
     """Through cuDNN's causal call (``prompt_attention.fused_causal``, forced here: MLX's CPU
-    path computes the call) a pass holds no scores, only its rows' K/V copied for the call:
-    a working set that the scores' share would split passes under takes them whole there.
-    Same tokens, logits within the tolerance."""
+    path computes the call) a pass holds no scores, only its rows' K/V copied for the call
+    (``rolled``, rows of two cached lengths): a working set that the scores' share would
+    split passes under takes them whole there. Same tokens, logits within the tolerance."""
     from mlx_radix_plugin.cache.paged_batch import MIN_QUERY_STEP
     from mlx_radix_plugin.engine import prompt_attention
     from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
@@ -394,8 +394,13 @@ def test_a_pass_through_cudnns_causal_call_is_not_split_for_scores_it_does_not_h
     model, tok = loaded("llama")
     prefix = prefix_of(tok, 40)
     own, rows = 2 * MIN_QUERY_STEP + 20, 4
-    prompts = [prefix + (question(tok, i) * 20)[:own] for i in range(rows)]
-    passes = []
+    # Half the rows on all of the cached prefix, half on its first 24 tokens: left padding.
+    prompts = [
+        (prefix if i % 2 else prefix[:24]) + (question(tok, i) * 20)[:own] for i in range(rows)
+    ]
+    passes, rolled = [], []
+    roll = prompt_attention.rolled
+    monkeypatch.setattr(prompt_attention, "rolled", lambda *a: rolled.append(1) or roll(*a))
     call = type(model).__call__
 
     def recorded(self, inputs, *args, **kwargs):
@@ -417,13 +422,15 @@ def test_a_pass_through_cudnns_causal_call_is_not_split_for_scores_it_does_not_h
         token = activation_bytes_per_token(model, pool.bytes_per_token) + pool.bytes_per_token
         pool.prefill_working_bytes = 4 * rows * columns * layer_kv + rows * own * token
         pool.attention_bytes = pool.prefill_working_bytes  # the scores' share: all of it
-        pool.prompt_attention_fused = fused  # as the passes before this one left it
+        # As the passes before this one left it.
+        pool.prompt_attention_fused = dict.fromkeys(range(pool.num_layers), fused)
         passes.clear()
         runs[fused] = prefill_run(model, tok, rpc, prompts, prefill="on", step=2048)
         prefills[fused] = [n for n in passes if n > 1]
-        assert pool.prompt_attention_fused is fused
+        assert set(pool.prompt_attention_fused.values()) == {fused}
     # The same tokens prefilled: whole through the causal call, else in the fewest queries.
-    assert min(prefills[True]) > 2 * MIN_QUERY_STEP and max(prefills[False]) == MIN_QUERY_STEP
+    assert rolled and min(prefills[True]) > 2 * MIN_QUERY_STEP
+    assert max(prefills[False]) == MIN_QUERY_STEP
     assert sum(prefills[True]) == sum(prefills[False])
     (tokens, logits, _), (split_tokens, split_logits, _) = runs[True], runs[False]
     assert tokens == split_tokens

@@ -86,13 +86,16 @@ def test_a_causal_mask_splits_alike():
 class _Pool:
     prefill_attention, attention_bytes = "auto", None
 
+    def __init__(self):
+        self.prompt_attention_fused = {}
+
 
 class _Rows:
     pool = _Pool()
 
 
 class _Cache:
-    rows = _Rows()
+    rows, layer = _Rows(), 0
 
 
 @pytest.mark.parametrize(

@@ -184,9 +184,13 @@ class _RequestQueue(Queue):
         if isinstance(item, tuple):  # (response queue, request, arguments)
             self.responses.add(item[0])
             self._of[id(item[1])] = item[0]
+            # Before it is queued: once queued, the generation thread may take it first.
+            if self.on_put is not None:
+                try:
+                    self.on_put(item)
+                except Exception:  # a worker that cannot start: it is tokenized when taken
+                    log.debug("tokenizing a request ahead failed", exc_info=True)
         super().put(item, block, timeout)
-        if self.on_put is not None and isinstance(item, tuple):
-            self.on_put(item)
 
     def responses_of(self, request) -> Queue | None:
         """The response queue of ``request`` while its handler holds it."""

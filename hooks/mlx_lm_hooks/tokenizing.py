@@ -34,8 +34,9 @@ MAX_AHEAD = 64
 
 
 class Prefetcher:
-    """Tokenizes, on worker threads, the requests waiting behind the one the generation
-    thread is tokenizing; ``take`` hands the generation thread a request's result."""
+    """Tokenizes, on worker threads, requests as they are queued (``offer``) and those
+    waiting behind the one the generation thread takes; ``take`` hands the generation
+    thread a request's result, and meanwhile has it tokenize what no worker has started."""
 
     def __init__(self, tokenize: Callable, workers: int | None = None):
         """``tokenize(tokenizer, request, args)``: stock's ``_tokenize``, bound."""
@@ -62,22 +63,29 @@ class Prefetcher:
             ahead = self._ahead.pop(id(request), None)
             if self.workers > 0 and not self._closed:
                 self._start(tokenizer, waiting)
-        if ahead is not None and ahead[0] is request and ahead[1] is tokenizer:
+        if ahead is not None:
             future = ahead[2]
-            # Not started yet (every worker busy): this thread does it now. Cancelled: the
-            # pool was shut down before it ran.
-            if not future.cancel() and not future.cancelled():
+            # Cancelled where no worker has started it (every one busy, or the pool shut
+            # down): this thread does it now, as it does one done with another tokenizer.
+            if not future.cancel() and ahead[0] is request and ahead[1] is tokenizer:
                 # While a worker runs it, this thread takes on requests no worker has started.
-                while not future.done() and self._help():
+                while not future.done() and self._help(tokenizer):
                     pass
                 return future.result()  # stock's exception, if it raised one
         return self._tokenize(tokenizer, request, args)
 
-    def _help(self) -> bool:
-        """Tokenize here one request offered ahead that no worker has started; False where
-        there is none."""
+    def _help(self, tokenizer) -> bool:
+        """Tokenize here one request started ahead with ``tokenizer``, still seen in the
+        queue, that no worker has started; False where there is none."""
         with self._lock:
-            entry = next((e for e in self._ahead.values() if e[2].cancel()), None)
+            entry = next(
+                (
+                    e
+                    for e in self._ahead.values()
+                    if e[1] is tokenizer and not e[3] and e[2].cancel()
+                ),
+                None,
+            )
         if entry is None:
             return False
         request, tokenizer, _, _, args = entry

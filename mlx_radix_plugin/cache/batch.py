@@ -135,18 +135,21 @@ class BatchedDecodeContext:
             )
 
 
-def pass_bytes(pool: KVPool, layer: int, rows: int, queries: int, columns: int) -> int:
+def pass_bytes(
+    pool: KVPool, layer: int, rows: int, queries: int, columns: int, fused: bool = False
+) -> int:
     """A prompt pass's temporaries in ``layer`` beyond its K/V's layout (``rows`` x
     ``queries`` over ``columns``): its attention's, and the tokens' activations and staged
     K/V (``KVPool.prefill_token_bytes``).
 
     The attention holds two float32 copies of the scores (within the attention's share
     where it has one: engine/prompt_attention.py), or, through cuDNN's causal call
-    (``KVPool.prompt_attention_fused``), no scores but the rows' K/V copied twice at most
-    (``rolled``). Counting the share there split an H100's passes of 8 agents' 1,089-token
-    turns over 28,000-30,000 columns in two (``query_step``): turns 3-6 took 0.92-1.28 s a
-    pass, 0.80-0.88 s whole (docs/benchmarking.md, "Prompt attention in blocks")."""
-    if pool.prompt_attention_fused:
+    (``fused``: a pass over the pool, ``KVPool.prompt_attention_fused``), no scores but the
+    rows' K/V copied twice at most (``rolled``). Counting the share there split an H100's
+    passes of 8 agents' 1,089-token turns over 28,000-30,000 columns in two (``query_step``):
+    turns 3-6 took 0.88-1.25 s a pass, 0.77-0.83 s whole (docs/benchmarking.md, "Prompt
+    attention in blocks")."""
+    if fused:
         attention = 2 * rows * columns * pool.specs[layer].bytes_per_token(pool.dtype)
     else:
         heads = pool.query_heads or pool.specs[layer].kv_heads

@@ -168,7 +168,8 @@ class PagedBatchKVCache:
             return None
         columns = max(self._capacity, self._idx + longest)
         pool, rows = self.rows.pool, len(self.rows.tables)
-        if pool.attention_bound is not None and not pool.prompt_attention_fused:
+        fused = all(pool.prompt_attention_fused.get(i, False) for i in range(pool.num_layers))
+        if pool.attention_bound is not None and not fused:
             # Attention within its share whatever the queries: they cost their tokens only.
             fixed = self._layer_bytes(0, columns) + pool.attention_bound
             step = (budget - fixed) // max(1, rows * pool.prefill_token_bytes)
@@ -193,7 +194,8 @@ class PagedBatchKVCache:
         pool, rows = self.rows.pool, len(self.rows.tables)
         layer = self.layer if layer is None else layer
         laid_out = rows * self._capacity * pool.specs[layer].bytes_per_token(pool.dtype)
-        return 2 * laid_out + pass_bytes(pool, layer, rows, queries, columns)
+        fused = pool.prompt_attention_fused.get(layer, False)
+        return 2 * laid_out + pass_bytes(pool, layer, rows, queries, columns, fused)
 
     def _context(self, width: int) -> tuple[mx.array, mx.array]:
         """The pool's K and V rows of every row's tokens, right-aligned in ``width``."""

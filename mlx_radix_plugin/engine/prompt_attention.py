@@ -87,7 +87,7 @@ def prompt_attention(
         return _STOCK(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     fused = padding is not None and fused_causal(queries, keys, values, sinks)
     if padding is not None:
-        pool.prompt_attention_fused = fused  # what the next passes' estimates count
+        pool.prompt_attention_fused[cache.layer] = fused  # what the next passes' estimates count
     if fused:
         if not any(padding):
             return causal(queries, keys, values, scale)

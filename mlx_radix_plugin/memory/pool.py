@@ -276,9 +276,9 @@ class KVPool:
         # what one layer's attention may hold in scores (None: no bound).
         self.prefill_attention = "auto"
         self.attention_bytes: int | None = None
-        # Whether a pass over the pool last attended through cuDNN's causal call, which holds
-        # no scores, only the rows' K/V copied for one call (prompt_attention.py).
-        self.prompt_attention_fused = False
+        # Layer -> whether its last call in a pass over the pool attended through cuDNN's
+        # causal call, which holds no scores, only the rows' K/V copied (prompt_attention.py).
+        self.prompt_attention_fused: dict[int, bool] = {}
         # What each token of a prompt pass holds besides a layer's context and scores: its
         # activations through the layer and every layer's staged K/V (engine/prefill_path.py).
         self.prefill_token_bytes = 0
