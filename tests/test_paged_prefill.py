@@ -346,20 +346,12 @@ def test_a_pass_whose_scores_would_pass_the_working_set_takes_fewer_queries(load
     queries: where they alone would pass the pool's working set, the pass takes fewer queries
     (``query_step``, down to ``MIN_QUERY_STEP``). Same tokens, logits within the tolerance."""
     from mlx_radix_plugin.cache.paged_batch import MIN_QUERY_STEP
-    from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
 
     model, tok = loaded("llama")
     prefix = prefix_of(tok, 40)
     own = 2 * MIN_QUERY_STEP + 20
     prompts = [prefix + (question(tok, i) * 20)[:own] for i in range(4)]
-    passes = []
-    call = type(model).__call__
-
-    def recorded(self, inputs, *args, **kwargs):
-        passes.append(inputs.shape[1])
-        return call(self, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "__call__", recorded)
+    passes = _pass_sizes(monkeypatch, model)
     runs, prefills = {}, {}
     for bound in (None, 1):  # no bound; one smaller than any pass's temporaries
         rpc = radix(model)
@@ -371,9 +363,29 @@ def test_a_pass_whose_scores_would_pass_the_working_set_takes_fewer_queries(load
     # The same tokens prefilled, in passes of at most MIN_QUERY_STEP where they were longer.
     assert max(prefills[None]) > 2 * MIN_QUERY_STEP
     assert max(prefills[1]) == MIN_QUERY_STEP and sum(prefills[1]) == sum(prefills[None])
-    (tokens, logits, _), (whole_tokens, whole_logits, _) = runs[1], runs[None]
-    assert tokens == whole_tokens
-    for i, steps in whole_logits.items():
+    _assert_same_tokens_within_tolerance(runs[1], runs[None])
+
+
+def _pass_sizes(monkeypatch, model) -> list[int]:
+    """The tokens of every forward pass of ``model``'s class, in order (decode steps: 1)."""
+    passes = []
+    call = type(model).__call__
+
+    def recorded(self, inputs, *args, **kwargs):
+        passes.append(inputs.shape[1])
+        return call(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", recorded)
+    return passes
+
+
+def _assert_same_tokens_within_tolerance(run, reference) -> None:
+    """Two ``prefill_run`` results: the same tokens, every logit within the tolerance."""
+    from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
+
+    (tokens, logits, _), (ref_tokens, ref_logits, _) = run, reference
+    assert tokens == ref_tokens
+    for i, steps in ref_logits.items():
         for a, b in zip(logits[i], steps):
             scale = mx.abs(b).max().item()
             assert mx.abs(a - b).max().item() <= FIDELITY_TOLERANCE * scale
@@ -388,7 +400,6 @@ def test_a_pass_through_cudnns_causal_call_is_not_split_for_scores_it_does_not_h
     split passes under takes them whole there. Same tokens, logits within the tolerance."""
     from mlx_radix_plugin.cache.paged_batch import MIN_QUERY_STEP
     from mlx_radix_plugin.engine import prompt_attention
-    from mlx_radix_plugin.engine.attention import FIDELITY_TOLERANCE
     from mlx_radix_plugin.memory.budget import activation_bytes_per_token
 
     model, tok = loaded("llama")
@@ -398,16 +409,9 @@ def test_a_pass_through_cudnns_causal_call_is_not_split_for_scores_it_does_not_h
     prompts = [
         (prefix if i % 2 else prefix[:24]) + (question(tok, i) * 20)[:own] for i in range(rows)
     ]
-    passes, rolled = [], []
+    passes, rolled = _pass_sizes(monkeypatch, model), []
     roll = prompt_attention.rolled
     monkeypatch.setattr(prompt_attention, "rolled", lambda *a: rolled.append(1) or roll(*a))
-    call = type(model).__call__
-
-    def recorded(self, inputs, *args, **kwargs):
-        passes.append(inputs.shape[1])
-        return call(self, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "__call__", recorded)
     runs, prefills = {}, {}
     for fused in (False, True):
         monkeypatch.setattr(prompt_attention, "fused_causal", lambda *a, f=fused: f)
@@ -432,12 +436,7 @@ def test_a_pass_through_cudnns_causal_call_is_not_split_for_scores_it_does_not_h
     assert rolled and min(prefills[True]) > 2 * MIN_QUERY_STEP
     assert max(prefills[False]) == MIN_QUERY_STEP
     assert sum(prefills[True]) == sum(prefills[False])
-    (tokens, logits, _), (split_tokens, split_logits, _) = runs[True], runs[False]
-    assert tokens == split_tokens
-    for i, steps in split_logits.items():
-        for a, b in zip(logits[i], steps):
-            scale = mx.abs(b).max().item()
-            assert mx.abs(a - b).max().item() <= FIDELITY_TOLERANCE * scale
+    _assert_same_tokens_within_tolerance(runs[True], runs[False])
 
 
 @pytest.mark.parametrize("bounded", [False, True])
