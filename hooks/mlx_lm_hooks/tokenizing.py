@@ -33,6 +33,17 @@ MAX_WORKERS = 8
 MAX_AHEAD = 64
 
 
+class _Ahead:
+    """A request's tokenization started ahead: ``missed``, the last look at the queue did
+    not see it."""
+
+    __slots__ = ("request", "args", "tokenizer", "future", "missed")
+
+    def __init__(self, request, args, tokenizer, future: Future):
+        self.request, self.args, self.tokenizer, self.future = request, args, tokenizer, future
+        self.missed = False
+
+
 class Prefetcher:
     """Tokenizes, on worker threads, requests as they are queued (``offer``) and those
     waiting behind the one the generation thread takes; ``take`` hands the generation
@@ -47,10 +58,9 @@ class Prefetcher:
         self.workers = workers if workers is not None else min(MAX_WORKERS, cores - 1)
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None
-        # id(request) -> [request, tokenizer, future, missed, args]: the request is kept so
-        # that its id is not reused by another while its result waits here; ``missed``: the
-        # last look at the queue did not see it.
-        self._ahead: dict[int, list] = {}
+        # id(request) -> its work ahead (the request is kept so that its id is not reused by
+        # another while its result waits here).
+        self._ahead: dict[int, _Ahead] = {}
         self._lock = threading.Lock()
 
     def take(self, tokenizer, request, args, waiting: list[tuple]):
@@ -64,10 +74,10 @@ class Prefetcher:
             if self.workers > 0 and not self._closed:
                 self._start(tokenizer, waiting)
         if ahead is not None:
-            future = ahead[2]
+            future = ahead.future
             # Cancelled where no worker has started it (every one busy, or the pool shut
             # down): this thread does it now, as it does one done with another tokenizer.
-            if not future.cancel() and ahead[0] is request and ahead[1] is tokenizer:
+            if not future.cancel() and ahead.request is request and ahead.tokenizer is tokenizer:
                 # While a worker runs it, this thread takes on requests no worker has started.
                 while not future.done() and self._help(tokenizer):
                     pass
@@ -82,21 +92,21 @@ class Prefetcher:
                 (
                     e
                     for e in self._ahead.values()
-                    if e[1] is tokenizer and not e[3] and e[2].cancel()
+                    if e.tokenizer is tokenizer and not e.missed and e.future.cancel()
                 ),
                 None,
             )
         if entry is None:
             return False
-        request, tokenizer, _, _, args = entry
+        request = entry.request
         done: Future = Future()
         try:
-            done.set_result(self._tokenize(tokenizer, request, args))
+            done.set_result(self._tokenize(tokenizer, request, entry.args))
         except Exception as e:  # noqa: BLE001 - the request's own error, for its take
             done.set_exception(e)
         with self._lock:
             if self._ahead.get(id(request)) is entry:
-                entry[2] = done
+                entry.future = done
         return True
 
     def offer(self, tokenizer, request, args) -> None:
@@ -112,12 +122,12 @@ class Prefetcher:
         the next)."""
         kept = {id(request) for request, _ in waiting}
         for key in [k for k in self._ahead if look and k not in kept]:
-            if self._ahead[key][3]:
-                self._ahead.pop(key)[2].cancel()
+            if self._ahead[key].missed:
+                self._ahead.pop(key).future.cancel()
             else:
-                self._ahead[key][3] = True
+                self._ahead[key].missed = True
         for key in kept & self._ahead.keys():
-            self._ahead[key][3] = False
+            self._ahead[key].missed = False
         for request, args in waiting:
             if len(self._ahead) >= MAX_AHEAD:
                 break
@@ -126,7 +136,7 @@ class Prefetcher:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.workers, "tokenize-ahead")
             future = self._pool.submit(self._tokenize, tokenizer, request, args)
-            self._ahead[id(request)] = [request, tokenizer, future, False, args]
+            self._ahead[id(request)] = _Ahead(request, args, tokenizer, future)
 
     def close(self) -> None:
         """No more work ahead; ``take`` tokenizes on the caller from now on."""
