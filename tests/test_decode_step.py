@@ -234,3 +234,23 @@ def test_a_row_hands_its_first_token_over_before_later_rows_prefill(loaded):
         assert [[t for _, t in tokens[u]] for u in (first, later)] == [
             [r[1] for r in row] for row in expected
         ]
+
+
+def test_the_stats_buffer_bytes_follow_the_buffers_as_they_grow_and_rows_leave(loaded):
+    """The decode buffers' bytes are summed again only where they may have changed: every
+    step's stats still show what the batch holds (its buffers grow every 256 tokens)."""
+    model, _ = loaded("llama")
+    prompts = [[5 + (i * 7 + j) % 90 for j in range(240)] for i in range(3)]
+    pool = KVPool.for_model(model, page_size=4, pool_tokens=2048)
+    engine = RadixBatchGenerator(model, RadixPromptCache(pool), completion_batch_size=4)
+    engine.insert(prompts, max_tokens=[8, 30, 30])
+    seen, rows, finished = set(), set(), 0
+    while finished < 3:
+        _, responses = engine.next()
+        finished += sum(r.finish_reason is not None for r in responses)
+        held = sum(c.nbytes for c in engine._generation_batch.prompt_cache)
+        assert engine.decode_stats["decode_buffer_bytes"] == held
+        seen.add(held)
+        rows.add(engine.decode_stats["decode_rows"])
+    engine.close()
+    assert len(seen) >= 3 and {3, 2} <= rows  # grown past 256 tokens; a row left

@@ -6,6 +6,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 from tiny_models import ARCHS
 
@@ -19,6 +21,7 @@ from mlx_radix_plugin.memory.budget import (
     pool_budget_bytes,
 )
 from mlx_radix_plugin.memory.pool import inspect_model, layer_groups, model_nbytes
+from mlx_radix_plugin.memory.slots import Slots
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -374,3 +377,17 @@ def test_head_slots_read_across_chunks_as_one_gather_would(axis):
     one, many = reads
     assert one.shape == ((3, 2, 4, 4) if axis == 0 else (2, 3, 4, 4))
     assert mx.array_equal(one, many).item()
+
+
+@given(st.lists(st.integers(0, 63), min_size=1, max_size=40), st.sampled_from([8, 16, 64]))
+def test_slots_from_python_ints_plan_the_reads_numpy_slots_do(slots, chunk_slots):
+    """A decode step hands its slots over as Python ints: read the same as host arrays,
+    in one chunk (any one) or across several."""
+    fast, host = Slots(list(slots), chunk_slots), Slots(np.array(slots), chunk_slots)
+    assert fast.host.tolist() == host.host.tolist() == slots and len(fast) == len(slots)
+    assert [c for c, _, _ in fast.pieces] == [c for c, _, _ in host.pieces]
+    for (_, a, at_a), (_, b, at_b) in zip(fast.pieces, host.pieces):
+        assert a.tolist() == b.tolist()
+        assert (at_a is None) == (at_b is None) and (at_a is None or at_a.tolist() == at_b.tolist())
+    assert (fast.order is None) == (host.order is None)
+    assert fast.order is None or fast.order.tolist() == host.order.tolist()

@@ -29,6 +29,7 @@ rounds, 1.02x at one request, 1.11x on Llama-3-8B's shape at 8.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 
@@ -99,8 +100,12 @@ class BatchedDecodeContext:
                     table.overflowed = True
                     self.valid[row] = 0
                     continue
-            slots.append(table.slot(start) if step == 1 else table.host_slots(start, start + n))
-            take.extend(range(row * step, row * step + n))
+            if step == 1:
+                slots.append(table.slot(start))
+                take.append(row)
+            else:
+                slots.append(table.host_slots(start, start + n))
+                take.extend(range(row * step, row * step + n))
         self.any = bool(slots)
         self.write_slots = None
         if slots:
@@ -156,6 +161,9 @@ def pass_bytes(
     return attention + rows * queries * pool.prefill_token_bytes
 
 
+_SERIALS = itertools.count()
+
+
 class BatchRows:
     """The requests of one batch, in batch order; shared by every layer's batch cache."""
 
@@ -178,6 +186,9 @@ class BatchRows:
         self.grouped_pass = None  # a prompt pass whose rows share a prefix (grouped_prefill.py)
         self.causal_mask = None  # the last plain causal mask a paged prompt pass made
         self.version = 0  # bumped when rows join or leave
+        self.committed = -1  # the version whose rows have all committed their prompts
+        self.serial = next(_SERIALS)  # this batch's, never reused (an id() can be)
+        self.resized = 0  # bumped when a layer's batch buffer is replaced (grown, trimmed)
 
     def aligned_slots(self, lengths: list[int], width: int) -> Slots:
         """Slots of each row's first ``lengths`` tokens, right-aligned in ``width`` columns:
@@ -336,7 +347,11 @@ class _PoolWrites:
         return fetched
 
     def _update(self, keys, values, ctx: BatchedDecodeContext):
-        return super().update_and_fetch(keys, values)
+        before = self.keys
+        fetched = super().update_and_fetch(keys, values)
+        if self.keys is not before:  # a new buffer: grown, or (rotating) trimmed
+            self.rows.resized += 1
+        return fetched
 
     def _begin_pass(self, ctx: BatchedDecodeContext) -> None:
         """A prompt pass over the buffer, measured as the pool's passes are (paged_batch.py):
@@ -390,6 +405,7 @@ class PoolBatchKVCache(_PoolWrites, BatchKVCache):
         prev, S = self._idx, keys.shape[2]
         if self.keys is None or prev + S > self.keys.shape[2]:
             fetched = BatchKVCache.update_and_fetch(self, keys, values)  # grows the buffer
+            self.rows.resized += 1
             if ctx.offset is None:
                 ctx.offset = self.offset
             self.offset = ctx.offset

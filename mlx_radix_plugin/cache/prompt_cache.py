@@ -316,10 +316,16 @@ class RadixPromptCache:
             return
         self._insert(model_key, tokens, prompt_cache)
 
-    @_locked
     def commit_finished(self) -> int:
-        """Commit the finished requests whose commits ``insert_cache`` deferred; returns
-        how many there were."""
+        """Commit the finished requests whose commits ``insert_cache`` deferred, and run
+        the releases queued; returns how many commits there were."""
+        # The engine asks at every step: with nothing to do, the lock is not taken.
+        if not self._finished and not self.pool.has_deferred:
+            return 0
+        return self._commit_finished_locked()
+
+    @_locked
+    def _commit_finished_locked(self) -> int:
         return self._commit_finished()
 
     def _commit_finished(self) -> int:

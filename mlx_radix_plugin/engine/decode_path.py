@@ -164,6 +164,7 @@ class DecodePath:
         self.paged = paged
         self.steps = {"shared": 0, "exact": 0}  # decode steps taken on each path
         self._decided: tuple[int, int, bool] | None = None  # (id of rows, version, shared)
+        self._buffers: tuple[tuple | None, int] = (None, 0)  # (what they were summed at, bytes)
 
     def prepare(self, batch, expected: Callable[[], list] | None = None) -> None:
         """Between steps of ``batch`` (mlx-lm's GenerationBatch): switch path if it should,
@@ -220,7 +221,7 @@ class DecodePath:
         shared = isinstance(rows, BatchRows) and isinstance(caches[0], SharedPrefixBatchCache)
         groups = rows.shared.groups if shared and rows.shared is not None else []
         ps = rows.pool.page_size if isinstance(rows, BatchRows) else 0
-        decode_bytes = sum(c.nbytes for c in caches)
+        decode_bytes = self._buffer_bytes(caches, rows)
         prefill_bytes = sum(c.nbytes for c in prompt.prompt_cache)
         prefilling = bool(len(prompt) and prompt.prompt_cache)
         return {
@@ -241,6 +242,17 @@ class DecodePath:
             "prefill_buffer_bytes": prefill_bytes,
             **self._step_counts(),
         }
+
+    def _buffer_bytes(self, caches: list, rows) -> int:
+        """The decode batch's buffers, summed over its layers again only where they may have
+        changed: rows joined or left, a layer's buffer was replaced, the path switched. The
+        stats are taken after every step, and the sum reads two arrays' sizes a layer."""
+        key = None
+        if isinstance(rows, BatchRows):
+            key = (rows.serial, rows.version, rows.resized, len(caches), type(caches[0]))
+        if key is None or key != self._buffers[0]:
+            self._buffers = (key, sum(c.nbytes for c in caches))
+        return self._buffers[1]
 
     def _step_counts(self) -> dict:
         return {f"decode_steps_{path}": n for path, n in self.steps.items()}

@@ -87,6 +87,9 @@ class BulkGenerationBatch(GenerationBatch):
         # Per row: the sampled token's log-probability, as (array of the step, row), or None
         # for rows whose step was mlx-lm's.
         self._next_picked: list[tuple[mx.array, int] | None] = [None] * len(uids)
+        # The last step's picked array where it holds every row's, in order (no row has
+        # joined or left since): read whole.
+        self._next_whole: mx.array | None = None
         # Per row: its stop matcher before its first token, where ``first_tokens`` handed
         # that token over already; else None.
         self._early: list[StopSequences.Matcher | None] = [None] * len(uids)
@@ -144,7 +147,7 @@ class BulkGenerationBatch(GenerationBatch):
         start = time.perf_counter()
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
-        current_picked = self._next_picked
+        current_picked, whole = self._next_picked, self._next_whole
         inputs = self._current_tokens
 
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
@@ -153,20 +156,29 @@ class BulkGenerationBatch(GenerationBatch):
         sampled = self._sample(logprobs)
         picked = mx.take_along_axis(logprobs, sampled[:, None], axis=-1)[:, 0]
         self._next_tokens = sampled
+        # The rows are slices of ``logprobs``, launched whole: a row's own operation runs
+        # only if something reads past ``[token]`` (top log-probabilities).
         self._next_logprobs = list(logprobs)
         self._next_picked = [(picked, i) for i in range(len(self.uids))]
+        self._next_whole = picked
         built = time.perf_counter()
         extra = self.launch_with() if self.launch_with is not None else []
-        mx.async_eval(sampled, picked, self._next_logprobs, token_context, extra)
+        mx.async_eval(sampled, picked, logprobs, token_context, extra)
         launched = time.perf_counter()
 
         # As mlx-lm: the tokens in the K/V cache are those of the step before.
-        mx.eval(inputs, self._current_logprobs, [p[0] for p in current_picked if p])
+        if whole is not None:
+            mx.eval(inputs, whole)
+        else:
+            mx.eval(inputs, [p[0] for p in current_picked if p])
         waited = time.perf_counter()
         tokens = inputs.tolist()
         for sti, ti in zip(self.tokens, tokens):
             sti.append(ti)
-        values = _host_values(current_picked, self._current_logprobs, tokens)
+        if whole is not None:
+            values = whole.tolist()
+        else:
+            values = _host_values(current_picked, self._current_logprobs, tokens)
         rows = [
             TokenLogprobs(row, token, value)
             for row, token, value in zip(self._current_logprobs, tokens, values)
@@ -182,11 +194,13 @@ class BulkGenerationBatch(GenerationBatch):
         joining = len(batch.uids)
         super().extend(batch)
         self._next_picked += [None] * joining
+        self._next_whole = None
         self._early += [None] * joining
 
     def filter(self, keep):
         super().filter(keep)
         self._next_picked = [self._next_picked[i] for i in keep]
+        self._next_whole = None
         self._early = [self._early[i] for i in keep]
 
     def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list]:
@@ -221,9 +235,10 @@ class BulkGenerationBatch(GenerationBatch):
 
     def _sample(self, logprobs: mx.array) -> mx.array:
         """One call of each distinct sampler on its rows, the tokens in row order."""
-        samplers = [self.fallback_sampler if s is None else s for s in self.samplers] or [
-            self.fallback_sampler
-        ]
+        first = self.samplers[0] if self.samplers else None
+        if all(s is first for s in self.samplers):  # the usual batch: one sampler
+            return (self.fallback_sampler if first is None else first)(logprobs)
+        samplers = [self.fallback_sampler if s is None else s for s in self.samplers]
         groups: dict[int, tuple] = {}
         for e, s in enumerate(samplers):
             groups.setdefault(id(s), (s, []))[1].append(e)

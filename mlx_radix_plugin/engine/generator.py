@@ -506,6 +506,8 @@ class RadixBatchGenerator(BatchGenerator):
         share nothing, within the same budget.
         """
         configured, step = self.prefill_batch_size, self.prefill_step_size
+        if not self._unprocessed_sequences and not self._currently_processing:
+            return configured  # the usual decode step: nothing waits
         room = self.completion_batch_size - len(self._generation_batch)
         rows = len(self._currently_processing)
         longest = max(
@@ -614,10 +616,14 @@ class RadixBatchGenerator(BatchGenerator):
             self.radix.tiering.pump()
         for batch in (self._prompt_batch, self._generation_batch):
             rows = rows_of(batch.prompt_cache)
-            if rows is not None:
+            if rows is not None and rows.committed != rows.version:
+                done = True
                 for table in rows.tables:
                     if not table.prompt_committed:
                         self.radix.commit_progress(table)
+                        done = done and table.prompt_committed
+                if done:  # a table's prompt stays committed: none to look at until rows join
+                    rows.committed = rows.version
         ranks.stepped()
         if working is not None:
             working.end_call()

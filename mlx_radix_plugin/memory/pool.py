@@ -507,6 +507,12 @@ class KVPool:
     def defer(self, release: Callable[[], None]) -> None:
         self._deferred.append(release)
 
+    @property
+    def has_deferred(self) -> bool:
+        """Whether releases are queued (read without the lock: one queued as this is read
+        runs at the next call that takes it)."""
+        return bool(self._deferred)
+
     def run_deferred(self) -> None:
         with self.lock:
             while self._deferred:

@@ -46,16 +46,38 @@ def as_host(slots: Sequence[int] | np.ndarray) -> np.ndarray:
 class Slots:
     """Slots in one order, for row reads and writes (``(n, heads, dim)`` per layer)."""
 
-    __slots__ = ("host", "pieces", "order")
+    __slots__ = ("_host", "pieces", "order")
 
     def __init__(self, slots: Sequence[int] | np.ndarray, chunk_slots: int):
-        self.host = as_host(slots)
+        if type(slots) is list and slots and _one_chunk(slots, chunk_slots):
+            # A decode step's slots, a row's token each: Python ints in one chunk (the usual
+            # case) make one index without numpy's per-call costs: 32 rows on 2 CPU cores,
+            # 2.6 us against 5.9 through ``_split`` (in a step, after its launch: 13 against
+            # 77 us).
+            c = slots[0] // chunk_slots
+            local = [s - c * chunk_slots for s in slots] if c else slots
+            self._host, self.order = slots, None
+            self.pieces = [(c, mx.array(local, mx.int32), None)]
+            return
+        self._host = as_host(slots)
         self.pieces, self.order, _ = _split(
-            self.host, chunk_slots, lambda local: mx.array(local, dtype=mx.int32)
+            self._host, chunk_slots, lambda local: mx.array(local, dtype=mx.int32)
         )
 
+    @property
+    def host(self) -> np.ndarray:
+        """The slot ids, as host integers."""
+        if type(self._host) is list:
+            self._host = as_host(self._host)
+        return self._host
+
     def __len__(self) -> int:
-        return self.host.size
+        return len(self._host)
+
+
+def _one_chunk(slots: list[int], chunk_slots: int) -> bool:
+    c = slots[0] // chunk_slots
+    return all(s // chunk_slots == c for s in slots)
 
 
 class HeadSlots:
