@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
@@ -63,6 +64,21 @@ def test_compiled_layers_give_the_engines_logits_bit_for_bit(loaded, arch, mode)
         prefix = prefix_of(tok)
         prompts = [prefix + question(tok, i) for i in range(3)] + [tok.encode("Once upon a time")]
         assert tokens == stock_run(model, tok, prompts, [8, 6, 8, 7])[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's q/k/v carry biases
+def test_quantized_layers_compile_with_the_engines_logits_bit_for_bit(model_dirs, arch):
+    """Quantized projections keep their inputs' shape in the compiled halves (a quantized
+    matmul's kernel may follow it): logits the uncompiled engine's, bit for bit."""
+    from mlx_lm import load
+
+    model, tok = load(str(model_dirs[arch]))
+    nn.quantize(model, group_size=32, bits=4)
+    layers, (tokens, logits, _) = run(model, tok, "off", compiled=True)
+    _, (plain_tokens, plain_logits, _) = run(model, tok, "off", compiled=False)
+    assert layers == 2 and tokens == plain_tokens
+    for i, steps in plain_logits.items():
+        assert all(mx.array_equal(a, b).item() for a, b in zip(logits[i], steps))
 
 
 def test_calls_that_are_no_batch_decode_step_run_mlx_lms_code_and_the_model_is_the_same(loaded):

@@ -10,8 +10,9 @@ attention (the output projection, the residuals, the MLP); the cache's update an
 call stay the engine's, in Python, as before. A compiled call replays the graph it traced, once
 for each batch size.
 
-The compiled graphs hold the same operations in the same order as the layer's own code: on the
-CPU the logits are stock's bit for bit (tests/test_compiled_layers.py). The path is taken for
+The compiled graphs compute what the layer's own code does, in its order, less the operations
+that only move data (``_parts``): on the CPU the logits are stock's bit for bit
+(tests/test_compiled_layers.py). The path is taken for
 one new token a row with the offsets of the rows an MLX array (the engine's batch caches),
 where a traced graph stays valid from step to step; anything else runs mlx-lm's code.
 """
@@ -36,25 +37,40 @@ LAYERS = {
 
 
 def _parts(layer: nn.Module) -> tuple:
-    """The layer's two halves, compiled (each traced once a batch size)."""
+    """The layer's two halves for one new token a row, compiled (each traced once a batch
+    size).
+
+    One token a row lets the halves skip operations that move nothing: a row's heads as
+    ``(B, heads, 1, dim)`` are in the order of its ``(B, 1, heads, dim)``, so a reshape
+    replaces reshape-and-transpose for q, k, v and the attention's output; and a matmul of
+    a 3-D input is a flatten, the 2-D matmul and an unflatten, so unquantized projections
+    take the rows 2-D. The same kernels run on the same values, in 9 fewer operations a Llama
+    layer (a 16-layer step of one row on the CPU: 1,306 to 1,161)."""
     attn, mlp = layer.self_attn, layer.mlp
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *mlp.children().values()]
+    # A quantized matmul's kernel may be chosen by the rows' layout: those keep their shape.
+    flat = not any(isinstance(m, nn.QuantizedLinear) for m in projections)
 
     def before(x: mx.array, offset: mx.array):
-        B, L, _ = x.shape
+        B = x.shape[0]
         h = layer.input_layernorm(x)
+        if flat:
+            h = h.reshape(B, -1)
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        q, k = q.reshape(B, L, heads, -1), k.reshape(B, L, kv_heads, -1)
+        q, k = q.reshape(B, heads, 1, -1), k.reshape(B, kv_heads, 1, -1)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(B, kv_heads, 1, -1)
         return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
 
     def after(x: mx.array, attended: mx.array):
-        B, _, L, _ = attended.shape
-        h = x + attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        B = x.shape[0]
+        if flat:
+            h = x.reshape(B, -1) + attn.o_proj(attended.reshape(B, -1))
+            return (h + mlp(layer.post_attention_layernorm(h))).reshape(B, 1, -1)
+        h = x + attn.o_proj(attended.reshape(B, 1, -1))
         return h + mlp(layer.post_attention_layernorm(h))
 
     return mx.compile(before), mx.compile(after)
