@@ -14,6 +14,7 @@ from mlx_lm.server import (
     _make_sampler,
 )
 from mlx_lm_hooks.sampling import LogitBias, Sampling
+from test_generation import KEY
 
 from mlx_radix_plugin import KVPool, RadixPromptCache
 from mlx_radix_plugin.engine.generator import RadixBatchGenerator
@@ -58,11 +59,21 @@ def test_a_logit_bias_is_readable_first_and_adds_what_stock_adds():
     assert mx.array_equal(bias(None, logits), stock(None, logits)).item()
 
 
-def run(gen, prompts, processors, samplers, steps=10):
-    uids = gen.insert(
-        prompts, max_tokens=[steps] * len(prompts), samplers=samplers,
-        logits_processors=processors,
-    )  # fmt: skip
+def run(gen, prompts, processors, samplers, steps=10, rpc=None):
+    """``rpc``: the engine's cache, which each prompt is fetched from as the server does (its
+    rows then decode over the pool's batch caches)."""
+    if rpc is None:
+        uids = gen.insert(
+            prompts, max_tokens=[steps] * len(prompts), samplers=samplers,
+            logits_processors=processors,
+        )  # fmt: skip
+    else:
+        fetched = [rpc.fetch_nearest_cache(KEY, p) for p in prompts]
+        uids = gen.insert_segments(
+            [[rest] for _, rest in fetched], max_tokens=[steps] * len(prompts),
+            caches=[c for c, _ in fetched], samplers=samplers, logits_processors=processors,
+            all_tokens=[p[: len(p) - len(rest)] for p, (_, rest) in zip(prompts, fetched)],
+        )  # fmt: skip
     out = {u: [] for u in uids}
     while any(len(v) < steps for v in out.values()):
         for r in gen.next()[1]:
@@ -254,3 +265,31 @@ def test_the_stats_buffer_bytes_follow_the_buffers_as_they_grow_and_rows_leave(l
         rows.add(engine.decode_stats["decode_rows"])
     engine.close()
     assert len(seen) >= 3 and {3, 2} <= rows  # grown past 256 tokens; a row left
+
+
+def test_a_decode_step_with_no_padded_row_attends_without_a_mask(loaded, monkeypatch):
+    """``decode.attention = auto``: one request (or rows of one length) decodes over the pool's
+    batch caches with no mask, rows of different lengths keep stock's; ``off`` keeps stock's.
+    Stock's tokens and log-probabilities either way (the CPU's attention takes an all-true
+    mask as none)."""
+    model, tok = loaded("llama")
+    masks = []
+
+    def recorded(queries, keys, values, *, scale, mask=None, **kwargs):
+        if queries.shape[2] == 1:
+            masks.append(mask is None)
+        return fused(queries, keys, values, scale=scale, mask=mask, **kwargs)
+
+    fused = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+    one, two = [tok.encode("Once upon a time")], [tok.encode(t) for t in ("Hi", "The quick fox")]
+    for mode, prompts, unmasked in [("auto", one, True), ("auto", two, False), ("off", one, False)]:
+        expected = run(BatchGenerator(model, completion_batch_size=4), prompts, None, None)
+        rpc = RadixPromptCache(KVPool.for_model(model, page_size=4, pool_tokens=1024))
+        engine = RadixBatchGenerator(model, rpc, completion_batch_size=4, decode_attention=mode)
+        masks.clear()
+        got = run(engine, prompts, None, None, rpc=rpc)
+        assert masks and set(masks) == {unmasked}, (mode, len(prompts))
+        for row_got, row_expected in zip(got, expected):
+            assert [t for t, _ in row_got] == [t for t, _ in row_expected]
+            assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(row_got, row_expected))

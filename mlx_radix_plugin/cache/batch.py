@@ -189,6 +189,8 @@ class BatchRows:
         self.committed = -1  # the version whose rows have all committed their prompts
         self.serial = next(_SERIALS)  # this batch's, never reused (an id() can be)
         self.resized = 0  # bumped when a layer's batch buffer is replaced (grown, trimmed)
+        # (left padding array, whether a row is padded), as the first layer's mask last read it
+        self.padded: tuple[mx.array, bool] | None = None
 
     def aligned_slots(self, lengths: list[int], width: int) -> Slots:
         """Slots of each row's first ``lengths`` tokens, right-aligned in ``width`` columns:
@@ -417,6 +419,30 @@ class PoolBatchKVCache(_PoolWrites, BatchKVCache):
         self.keys[..., prev : self._idx, :] = keys
         self.values[..., prev : self._idx, :] = values
         return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        """Stock's mask; or none, where ``decode.attention`` allows, for one new token a row
+        when no row is padded: each row then attends to every key, which stock's mask (all
+        true) says at the cost of building it and of attending with it. On CUDA an array
+        mask takes MLX's composed attention (two matmuls, a softmax, a select), where one
+        query with no mask is one kernel; on the CPU both are the composed one, bitwise."""
+        if (
+            N == 1
+            and not return_array
+            and kwargs.get("window_size") is None
+            and self.rows.pool.unmasked_decode
+            and not self._padded()
+        ):
+            return None
+        return super().make_mask(N, return_array=return_array, **kwargs)
+
+    def _padded(self) -> bool:
+        """Whether a row has left padding: read once for each padding array (rows joining,
+        leaving or prefilling make a new one)."""
+        padding, seen = self.left_padding, self.rows.padded
+        if seen is None or seen[0] is not padding:
+            seen = self.rows.padded = (padding, padding.max().item() > 0)
+        return seen[1]
 
     @classmethod
     def _merged(cls, caches: list, rows: BatchRows) -> BatchKVCache:

@@ -108,6 +108,7 @@ class RadixBatchGenerator(BatchGenerator):
         radix: RadixPromptCache,
         *,
         shared_prefix: str = "off",
+        decode_attention: str = "auto",
         prefill_from_pool: str = "auto",
         prefill_shared: str = "off",
         prefill_attention: str = "auto",
@@ -117,6 +118,8 @@ class RadixBatchGenerator(BatchGenerator):
         **kwargs,
     ):
         """``shared_prefix``: ``auto``, ``on`` or ``off`` (engine/decode_path.py);
+        ``decode_attention``: ``auto`` (a decode step whose rows hold no padding attends
+        without a mask: cache/batch.py, ``PoolBatchKVCache.make_mask``) or ``off``;
         ``prefill_from_pool``: ``auto``, ``on`` or ``off`` (engine/prefill_path.py);
         ``prefill_shared``: the same, for rows of a prompt batch reading a prefix they share
         once (cache/grouped_prefill.py);
@@ -139,6 +142,9 @@ class RadixBatchGenerator(BatchGenerator):
         self._failed_rows: dict[int, Exception] = {}
         self.queue_timeout = queue_timeout
         self._queued_at: dict[int, float] = {}  # uid -> when it was inserted, until it starts
+        if decode_attention not in ("auto", "off"):
+            raise ValueError(f"decode.attention must be auto or off, got {decode_attention!r}")
+        radix.pool.unmasked_decode = decode_attention == "auto"
         if radix.recurrent and shared_prefix != "off":
             log.info("shared-prefix decode off: a hybrid model's batch holds recurrent states")
             shared_prefix = "off"

@@ -279,6 +279,9 @@ class KVPool:
         # Layer -> whether its last call in a pass over the pool attended through cuDNN's
         # causal call, which holds no scores, only the rows' K/V copied (prompt_attention.py).
         self.prompt_attention_fused: dict[int, bool] = {}
+        # ``decode.attention``: a decode step none of whose rows is padded attends without a
+        # mask (cache/batch.py); the engine sets it.
+        self.unmasked_decode = False
         # What each token of a prompt pass holds besides a layer's context and scores: its
         # activations through the layer and every layer's staged K/V (engine/prefill_path.py).
         self.prefill_token_bytes = 0

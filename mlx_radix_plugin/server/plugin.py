@@ -186,6 +186,7 @@ class RadixPlugin:
                 model,
                 radix,
                 shared_prefix=self.config["decode.shared_prefix"],
+                decode_attention=self.config["decode.attention"],
                 prefill_from_pool=self.config["prefill.from_pool"],
                 prefill_shared=self.config["prefill.shared_prefix"],
                 prefill_attention=self.config["prefill.attention"],
