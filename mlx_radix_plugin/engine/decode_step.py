@@ -84,12 +84,10 @@ class BulkGenerationBatch(GenerationBatch):
     launch_with: Callable[[], list[mx.array]] | None = None
 
     def __init__(self, model, uids, *args, **kwargs):
-        # Per row: the sampled token's log-probability, as (array of the step, row), or None
-        # for rows whose step was mlx-lm's.
-        self._next_picked: list[tuple[mx.array, int] | None] = [None] * len(uids)
-        # The last step's picked array where it holds every row's, in order (no row has
-        # joined or left since): read whole.
-        self._next_whole: mx.array | None = None
+        # The sampled tokens' log-probabilities: the last step's array, where it holds every
+        # row's in order (no row has joined or left since: read whole); else per row, as
+        # (array of a step, row), or None for rows whose step was mlx-lm's.
+        self._next_picked: mx.array | list[tuple[mx.array, int] | None] = [None] * len(uids)
         # Per row: its stop matcher before its first token, where ``first_tokens`` handed
         # that token over already; else None.
         self._early: list[StopSequences.Matcher | None] = [None] * len(uids)
@@ -122,7 +120,7 @@ class BulkGenerationBatch(GenerationBatch):
         rows = [self._next_logprobs[i] for i in fresh]
         mx.eval(self._next_tokens, rows)
         tokens = self._next_tokens.tolist()
-        picked = [self._next_picked[i] for i in fresh]
+        picked = [self._picked_by_row()[i] for i in fresh]
         values = _host_values(picked, rows, [tokens[i] for i in fresh])
         responses = []
         for i, row, value in zip(fresh, rows, values):
@@ -147,7 +145,7 @@ class BulkGenerationBatch(GenerationBatch):
         start = time.perf_counter()
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
-        current_picked, whole = self._next_picked, self._next_whole
+        current_picked = self._next_picked
         inputs = self._current_tokens
 
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
@@ -159,24 +157,24 @@ class BulkGenerationBatch(GenerationBatch):
         # The rows are slices of ``logprobs``, launched whole: a row's own operation runs
         # only if something reads past ``[token]`` (top log-probabilities).
         self._next_logprobs = list(logprobs)
-        self._next_picked = [(picked, i) for i in range(len(self.uids))]
-        self._next_whole = picked
+        self._next_picked = picked
         built = time.perf_counter()
         extra = self.launch_with() if self.launch_with is not None else []
         mx.async_eval(sampled, picked, logprobs, token_context, extra)
         launched = time.perf_counter()
 
         # As mlx-lm: the tokens in the K/V cache are those of the step before.
-        if whole is not None:
-            mx.eval(inputs, whole)
+        whole = isinstance(current_picked, mx.array)
+        if whole:
+            mx.eval(inputs, current_picked)
         else:
             mx.eval(inputs, [p[0] for p in current_picked if p])
         waited = time.perf_counter()
         tokens = inputs.tolist()
         for sti, ti in zip(self.tokens, tokens):
             sti.append(ti)
-        if whole is not None:
-            values = whole.tolist()
+        if whole:
+            values = current_picked.tolist()
         else:
             values = _host_values(current_picked, self._current_logprobs, tokens)
         rows = [
@@ -193,15 +191,21 @@ class BulkGenerationBatch(GenerationBatch):
     def extend(self, batch):
         joining = len(batch.uids)
         super().extend(batch)
-        self._next_picked += [None] * joining
-        self._next_whole = None
+        self._next_picked = self._picked_by_row() + [None] * joining
         self._early += [None] * joining
 
     def filter(self, keep):
         super().filter(keep)
-        self._next_picked = [self._next_picked[i] for i in keep]
-        self._next_whole = None
+        picked = self._picked_by_row()
+        self._next_picked = [picked[i] for i in keep]
         self._early = [self._early[i] for i in keep]
+
+    def _picked_by_row(self) -> list[tuple[mx.array, int] | None]:
+        """``_next_picked`` row by row."""
+        picked = self._next_picked
+        if isinstance(picked, mx.array):
+            return [(picked, i) for i in range(picked.shape[0])]
+        return picked
 
     def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list]:
         """Every row's logits processors applied: logit biases in one scatter, the rest per
