@@ -120,7 +120,8 @@ class BulkGenerationBatch(GenerationBatch):
         rows = [self._next_logprobs[i] for i in fresh]
         mx.eval(self._next_tokens, rows)
         tokens = self._next_tokens.tolist()
-        picked = [self._picked_by_row()[i] for i in fresh]
+        by_row = self._picked_by_row()
+        picked = [by_row[i] for i in fresh]
         values = _host_values(picked, rows, [tokens[i] for i in fresh])
         responses = []
         for i, row, value in zip(fresh, rows, values):
