@@ -274,9 +274,12 @@ SETTINGS: tuple[Setting, ...] = (
             "mask's select a layer fewer: a 16-layer one-row step 1,161 to 1,085 operations",
             metal="as on the CPU: one query and no mask is MLX's vector kernel, the one stock "
             "mlx-lm's single-request decode runs; not measured on Metal",
-            cuda="as on the CPU: MLX's one-query kernel, where an array mask takes its "
-            "composed attention (two matmuls, a softmax, a select: 6 matmuls a Llama layer "
-            "where 4 are the layer's, H100); not yet measured on CUDA",
+            cuda="MLX's one-query kernel, where an array mask takes its composed attention "
+            "(two matmuls, a softmax, a select). H100, Llama-3.2-1B's shape in bf16, the "
+            "exact path in process: 1 row 2.58-2.66 to 1.77-1.79 ms a step (719 to 467 "
+            "operations), 32 rows of one length 3.64 to 2.84 ms; float32 logits within the "
+            "fidelity tolerance of off's, greedy tokens equal. The shared path (most batches "
+            "on CUDA) builds no mask either way",
         ),
     ),
     Setting(

@@ -296,7 +296,7 @@ AGENT = Source(GPU, "plan_after_prepare_agent_h100")
 LONG = Source(GPU, "long_h100_2026_12_07_c")
 CLIENTS = Source(GPU, "clients_agent_h100")
 CHATS = Source(GPU, "conversations_h100")
-ONE_B = Source(GPU, "compile_1b_auto_h100")
+ONE_B = Source(GPU, "decode_attention_1b_h100")
 
 
 def _shape(run: dict) -> dict:
