@@ -491,6 +491,34 @@ def test_cuda_with_stores_in_place_takes_the_paged_kernel_wherever_it_reads(
     assert RULES["cuda_in_place"].takes_shared([group], lengths, 16, one_chunk) is shared
 
 
+def test_a_paged_pass_gives_its_layers_one_view_of_each_pool_array(loaded, monkeypatch):
+    """The kernel reads a pool array through a one-row view (in_place.head); every layer of a
+    pass in a chunk reads the same arrays, so the pass makes each view once."""
+    model, tok = loaded("llama")
+    monkeypatch.setattr(attention, "VARIANT", "paged")
+    seen = []
+    reference = attention.paged_attention.reference
+
+    def recorded(queries, keys, values, at):
+        seen.append(at)
+        return reference(queries, keys, values, at)
+
+    monkeypatch.setattr(attention.paged_attention, "reference", recorded)
+    prefix = prefix_of(tok)
+    rpc = radix(model)
+    warm(model, rpc, [prefix])
+    engine_run(model, tok, rpc, [prefix + question(tok, i) for i in range(2)], [4, 4])
+    layers = rpc.pool.num_layers
+    assert seen and len(seen) % layers == 0
+    for n in range(0, len(seen), layers):  # a pass: one call a layer, one part a chunk here
+        parts = [at[0] for at in seen[n : n + layers]]
+        first = parts[0]
+        assert all(p.heads[0] is first.heads[0] and p.heads[1] is first.heads[1] for p in parts)
+        for view, array in zip(first.heads, (first.keys, first.values)):
+            assert view.shape == (1, *array.shape[1:])
+            assert mx.array_equal(view, array[:1]).item()
+
+
 def test_a_batch_goes_shared_where_cuda_runs_the_paged_kernel(loaded, monkeypatch):
     """On CUDA the engine's decode path may take the paged kernel, and its rule is CUDA's;
     elsewhere neither (the kernel runs on CUDA only)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..memory.in_place import head
 from ..memory.pool import page_slots
 from ..memory.prefix_groups import PrefixGroup, group_rows
 from ..memory.slots import HeadSlots, Slots
@@ -156,9 +157,7 @@ class SharedPass:
         self.shared = shared
         self.positions = shared.positions
         self.lengths = list(rows.lengths)  # the same, as ints
-        width = shared.own_slots.shape[1]
-        self.own_width = width
-        self.own_valid = mx.arange(width, dtype=mx.int32)[None, :] >= shared.pad  # (B, width)
+        self.own_width = shared.own_slots.shape[1]
         self._own_index: dict[int, HeadSlots] = {}
         self._masks: dict[tuple, mx.array | str | None] = {}
         self._masked_columns: int | None = None
@@ -166,6 +165,7 @@ class SharedPass:
         self.owned: list[int] = []  # ids of this pass's entries in _owners
         self._rows = rows
         self._paged: tuple | None = None  # paged_pages, asked once a pass
+        self._heads: dict[int, tuple] = {}  # id of a pool array -> (it, its one-row view)
 
     def paged_pages(self) -> tuple[list[tuple[int, mx.array]], int] | None:
         """``SharedRows.paged_pages`` and the rows' longest length, as the paged kernel reads
@@ -175,6 +175,14 @@ class SharedPass:
             tables = self.shared.paged_pages(self._rows)
             self._paged = ((tables, max(self.lengths)) if tables else None,)
         return self._paged[0]
+
+    def head(self, array: mx.array) -> mx.array:
+        """``in_place.head`` of a pool array, made once a pass: every layer in a chunk reads
+        the same arrays, and a view made for each was two graph nodes a layer more."""
+        entry = self._heads.get(id(array))
+        if entry is None or entry[0] is not array:
+            entry = self._heads[id(array)] = (array, head(array))
+        return entry[1]
 
     def own_index(self, heads: int) -> HeadSlots:
         """Each row's own tokens, read from a layer's flat views as ``(B, heads, width)``."""
@@ -189,7 +197,8 @@ class SharedPass:
         key = ("own", window)
         mask = self._masks.get(key)
         if mask is None:
-            mask = self.own_valid
+            width = self.own_width
+            mask = mx.arange(width, dtype=mx.int32)[None, :] >= self.shared.pad  # (B, width)
             if window is not None:
                 # Column j of row i holds position positions[i] - width + j.
                 first = self.positions[:, None] - window + 1  # oldest position in the window

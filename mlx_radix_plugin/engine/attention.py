@@ -399,7 +399,7 @@ def paged(
         k_pool, v_pool, base = pool.layer_arrays(cache.layer, chunk)
         at.append(paged_attention.PagedLayer(
             k_pool, v_pool, base, pages, step.positions, longest, pool.page_size, scale,
-            cache.window, sinks,
+            cache.window, sinks, (step.head(k_pool), step.head(v_pool)),
         ))  # fmt: skip
     if mx.default_device() == mx.cpu:
         return paged_attention.reference(queries, keys, values, at)

@@ -333,6 +333,9 @@ class PagedLayer:
     scale: float
     window: int | None = None  # a sliding window's size
     sinks: mx.array | None = None  # (Hq,): one more logit a query head
+    # One-row views of ``keys`` and ``values`` (``in_place.head``) made once for a step's
+    # layers; else made at each call.
+    heads: tuple[mx.array, mx.array] | None = None
 
 
 def _parts(at: PagedLayer | Sequence[PagedLayer]) -> list[PagedLayer]:
@@ -367,14 +370,14 @@ def paged_attention(
     tail = [at.sinks] if sinks else []
 
     def inputs(part: PagedLayer) -> list[mx.array]:
+        # One-row views: the kernel addresses rows from the array's start, and a whole pool
+        # array as an input ended MLX's command graph at every layer (in_place.head).
+        heads = part.heads or (head(part.keys), head(part.values))
         return [
             queries,
             keys,
             values,
-            # One-row views: the kernel addresses rows from the array's start, and a whole
-            # pool array as an input ended MLX's command graph at every layer (in_place.head).
-            head(part.keys),
-            head(part.values),
+            *heads,
             part.pages,
             part.lengths,
             _constant(part.base, mx.int32),
