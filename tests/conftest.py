@@ -16,6 +16,11 @@ for _name in [m for m in sys.modules if m.split(".")[0] == "mlx_lm_hooks"]:
     if not sys.modules[_name].__file__.startswith(str(Path(__file__).parent.parent / "hooks")):
         del sys.modules[_name]
 
+# The fidelity tests hold float32 logits to 1e-4 of their largest: on CUDA, MLX's float32
+# matmuls round through TF32 by default, which alone moved a shared-prefix step's logits from
+# stock's by 0.006-0.007 on an H100. Set before anything imports mlx.core.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
 # Before anything imports mlx.core (tiny_models does): on Linux with mlx-cpu, OpenBLAS instead
 # of the bundled reference BLAS, as every entry point of mlx-radix does.
 from mlx_lm_hooks import blas  # noqa: E402

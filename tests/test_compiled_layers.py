@@ -108,6 +108,16 @@ def test_calls_that_are_no_batch_decode_step_run_mlx_lms_code_and_the_model_is_t
     assert ops == plain_ops  # no compiled call ran
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_each_layer_but_the_last_hands_the_next_its_residual_stream_2d(loaded, arch):
+    """Within mlx-lm's own layer loop a compiled layer's output goes only to the next one:
+    it stays ``(B, hidden)``, and the last layer gives the model its ``(B, 1, hidden)``."""
+    model, _ = loaded(arch)
+    with served(model, compiled=True):
+        layers = model.model.layers
+        assert [layer._compiled[2] for layer in layers] == [True] * (len(layers) - 1) + [False]
+
+
 def test_off_leaves_mlx_lms_layers_and_a_bad_value_is_named():
     assert compiled_layers.enabled("auto") and not compiled_layers.enabled("off")
     with pytest.raises(ValueError, match="decode.compile must be one of auto, off, got 'on'"):

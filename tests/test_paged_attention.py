@@ -166,3 +166,20 @@ def test_the_kernels_page_tables_name_each_rows_pages_in_their_chunk():
     assert (c1, t1.tolist()) == (1, [[0, -1, 0], [-1, 1, 2]])
     assert (c2, t2.tolist()) == (2, [[-1, 1, 0], [0, -1, -1]])
     assert chunk_page_tables([[], []], chunk_pages=4) == []
+    # In whole buckets of pages, the kernel's compiled calls replayed while rows grow.
+    [(_, table)] = chunk_page_tables([[4, 6], [5, 7, 4]], chunk_pages=4, bucket=4)
+    assert table.tolist() == [[0, 2, 0, 0], [1, 3, 0, 0]]
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on MLX's CUDA backend only")
+def test_the_kernels_calls_are_compiled_once_for_each_launch_shape():
+    geometry = GEOMETRIES[0]
+    host, args, at = problem(6, geometry, mx.bfloat16)
+    pa._calls.clear()
+    first = pa.paged_attention(*args, at)
+    again = pa.paged_attention(*args, at)
+    assert len(pa._calls) == 1 and mx.array_equal(first, again).item()
+    # Another batch, its rows split over more blocks: a launch shape of its own.
+    _, args, at = problem(6, GEOMETRIES[3], mx.bfloat16)
+    pa.paged_attention(*args, at)
+    assert len(pa._calls) == 2

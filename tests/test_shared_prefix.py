@@ -290,6 +290,7 @@ def test_a_pass_writes_the_pool_only_once_the_pass_before_it_has_stopped_reading
     are evaluated with the next pass, after waiting for the one before (KVPool.settle), and
     the engine does not evaluate them on its own between shared steps."""
     model, tok = loaded("llama")
+    monkeypatch.setattr(in_place, "IN_PLACE", False)  # scatters, as everywhere but CUDA
     gen, rpc = on_a_shared_prefix(model, tok, 4, 12)
     until_all_decode_shared(gen, 4)
     gen.next()  # a pass now runs, announced as reading the pool
@@ -497,13 +498,19 @@ def test_a_paged_pass_gives_its_layers_one_view_of_each_pool_array(loaded, monke
     model, tok = loaded("llama")
     monkeypatch.setattr(attention, "VARIANT", "paged")
     seen = []
-    reference = attention.paged_attention.reference
 
-    def recorded(queries, keys, values, at):
-        seen.append(at)
-        return reference(queries, keys, values, at)
+    def recorded(attend):
+        def call(queries, keys, values, at):
+            if isinstance(at, list) and at[0].heads is not None:  # not ``check``'s own (CUDA)
+                seen.append(at)
+            return attend(queries, keys, values, at)
 
-    monkeypatch.setattr(attention.paged_attention, "reference", recorded)
+        return call
+
+    # The kernel on CUDA, its MLX-ops form elsewhere.
+    for name in ("paged_attention", "reference"):
+        attend = getattr(attention.paged_attention, name)
+        monkeypatch.setattr(attention.paged_attention, name, recorded(attend))
     prefix = prefix_of(tok)
     rpc = radix(model)
     warm(model, rpc, [prefix])
@@ -526,6 +533,7 @@ def test_a_batch_goes_shared_where_cuda_runs_the_paged_kernel(loaded, monkeypatc
 
     model, tok = loaded("llama")
     monkeypatch.setattr(generator, "backend", lambda: "cuda")
+    monkeypatch.setattr(in_place, "IN_PLACE", False)
     gen = RadixBatchGenerator(model, radix(model), shared_prefix="auto")
     assert gen.decode_path.paged and gen.decode_path.rule is RULES["cuda"]
     gen.close()

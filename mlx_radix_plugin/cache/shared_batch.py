@@ -37,6 +37,12 @@ from .offset import OffsetCache
 MASKED_BUCKET = 1024
 
 
+# The paged kernel's page tables come in widths of whole buckets of this many pages: its
+# compiled calls are replayed for one width (engine/paged_attention.py), and a row takes a
+# page every ``page_size`` steps.
+PAGED_BUCKET = 32
+
+
 def _padding(columns: int) -> int:
     """Columns that make ``columns`` whole buckets."""
     return -columns % MASKED_BUCKET
@@ -48,13 +54,16 @@ def pages_chunk(pages: list[list[int]], chunk_pages: int) -> int | None:
     return chunks.pop() if len(chunks) == 1 else None
 
 
-def chunk_page_tables(pages: list[list[int]], chunk_pages: int) -> list[tuple[int, np.ndarray]]:
+def chunk_page_tables(
+    pages: list[list[int]], chunk_pages: int, bucket: int = 1
+) -> list[tuple[int, np.ndarray]]:
     """For each chunk of the pool holding some of the rows' ``pages``, in order: the chunk,
     and ``(rows, most pages)`` int32 the pages' numbers in it, -1 where a page lies in
-    another chunk (0 past a row's own)."""
+    another chunk (0 past a row's own), its width rounded up to a multiple of ``bucket``."""
     width = max(map(len, pages), default=0)
     if not width:
         return []
+    width = -(-width // bucket) * bucket
     table = np.zeros((len(pages), width), dtype=np.int64)
     for r, row in enumerate(pages):
         table[r, : len(row)] = row
@@ -127,7 +136,7 @@ class SharedRows:
         used = tuple((-(-n // ps), t.changes) for t, n in zip(rows.tables, rows.lengths))
         if self._paged is None or self._paged[0] != used:
             held = [t.pages[:n] for t, (n, _) in zip(rows.tables, used)]
-            tables = chunk_page_tables(held, self.pool.allocator.chunk_pages)
+            tables = chunk_page_tables(held, self.pool.allocator.chunk_pages, PAGED_BUCKET)
             self._paged = (used, [(chunk, mx.array(table)) for chunk, table in tables])
         return self._paged[1]
 

@@ -36,7 +36,7 @@ LAYERS = {
 }
 
 
-def _parts(layer: nn.Module) -> tuple:
+def _parts(layer: nn.Module, flat_out: bool) -> tuple:
     """The layer's two halves for one new token a row, compiled (each traced once a batch
     size).
 
@@ -45,7 +45,14 @@ def _parts(layer: nn.Module) -> tuple:
     replaces reshape-and-transpose for q, k, v and the attention's output; and a matmul of
     a 3-D input is a flatten, the 2-D matmul and an unflatten, so unquantized projections
     take the rows 2-D. The same kernels run on the same values, in 9 fewer operations a Llama
-    layer (a 16-layer step of one row on the CPU: 1,306 to 1,161)."""
+    layer (a 16-layer step of one row on the CPU: 1,306 to 1,161). Between two such layers
+    (``flat_out``) the residual stream stays ``(B, hidden)``: 3 reshapes a layer fewer.
+
+    Where q, k and v are one fused matmul (fused_projections.py) of heads of one size and
+    nothing acts on q and k apart before RoPE (Qwen3 normalizes each), RoPE is one call on
+    all the matmul's heads, v's too, whose rotated copy goes unused: RoPE rotates each
+    element by its position and dimension alone, so q and k are the values two calls give,
+    in one kernel and one split where two kernels, a split and three reshapes were."""
     attn, mlp = layer.self_attn, layer.mlp
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -53,11 +60,17 @@ def _parts(layer: nn.Module) -> tuple:
     # A quantized matmul's kernel may be chosen by the rows' layout: those keep their shape.
     flat = not any(isinstance(m, nn.QuantizedLinear) for m in projections)
 
+    joint = _joint_qkv(attn) if flat and q_norm is None else None
+
     def before(x: mx.array, offset: mx.array):
         B = x.shape[0]
         h = layer.input_layernorm(x)
-        if flat:
+        if flat and h.ndim == 3:
             h = h.reshape(B, -1)
+        if joint is not None:
+            qkv = joint.matmul(h).reshape(B, heads + 2 * kv_heads, 1, -1)
+            q, k, _ = mx.split(attn.rope(qkv, offset=offset), [heads, heads + kv_heads], axis=1)
+            return q, k, qkv[:, heads + kv_heads :]
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         q, k = q.reshape(B, heads, 1, -1), k.reshape(B, kv_heads, 1, -1)
         if q_norm is not None:
@@ -68,12 +81,29 @@ def _parts(layer: nn.Module) -> tuple:
     def after(x: mx.array, attended: mx.array):
         B = x.shape[0]
         if flat:
-            h = x.reshape(B, -1) + attn.o_proj(attended.reshape(B, -1))
-            return (h + mlp(layer.post_attention_layernorm(h))).reshape(B, 1, -1)
+            h = (x if x.ndim == 2 else x.reshape(B, -1)) + attn.o_proj(attended.reshape(B, -1))
+            out = h + mlp(layer.post_attention_layernorm(h))
+            return out if flat_out else out.reshape(B, 1, -1)
         h = x + attn.o_proj(attended.reshape(B, 1, -1))
         return h + mlp(layer.post_attention_layernorm(h))
 
-    return mx.compile(before), mx.compile(after)
+    return mx.compile(before), mx.compile(after), flat_out and flat
+
+
+def _joint_qkv(attn: nn.Module):
+    """The fused group of ``attn``'s q, k and v projections, in that order and of heads of
+    one size; else None."""
+    members = [attn.q_proj, attn.k_proj, attn.v_proj]
+    fused = [m.__dict__.get("_fused") for m in members]
+    if None in fused or fused[0][0].quantized or any(f[0] is not fused[0][0] for f in fused):
+        return None
+    if [f[1] for f in fused] != [0, 1, 2] or len(fused[0][0].members) != 3:
+        return None
+    sizes = [m.weight.shape[0] for m in members]
+    dim = sizes[0] // attn.n_heads
+    if sizes != [attn.n_heads * dim, attn.n_kv_heads * dim, attn.n_kv_heads * dim]:
+        return None
+    return fused[0][0]
 
 
 class _Compiled:
@@ -83,9 +113,12 @@ class _Compiled:
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         offset = getattr(cache, "offset", None)
-        if x.shape[1] != 1 or not isinstance(offset, mx.array):
+        if x.ndim == 2:  # the layer before's residual stream, one token a row
+            if not isinstance(offset, mx.array):
+                return super().__call__(x[:, None], mask, cache)
+        elif x.shape[1] != 1 or not isinstance(offset, mx.array):
             return super().__call__(x, mask, cache)
-        before, after = self.__dict__["_compiled"]
+        before, after, _ = self.__dict__["_compiled"]
         queries, keys, values = before(x, offset)
         keys, values = cache.update_and_fetch(keys, values)
         attended = self.module.scaled_dot_product_attention(
@@ -110,13 +143,31 @@ def _compilable(module: nn.Module) -> bool:
     return classes is not None and (type(module.self_attn), type(module.mlp)) == classes[1:]
 
 
+# Models whose layer loop only hands each layer's output to the next (mlx-lm's own, for the
+# classes of ``LAYERS``; Qwen2's over a pipeline's layers, of one process here): a layer
+# followed by another of its list may hand it the residual stream 2-D.
+_LOOPS = (llama.LlamaModel, qwen2.Qwen2Model, qwen3.Qwen3Model)
+
+
+def _followed(model: nn.Module) -> set[int]:
+    """ids of the layers whose output goes only to the next layer of the same loop."""
+    followed = set()
+    for _, module in model.named_modules():
+        if isinstance(module, _LOOPS) and getattr(module, "pipeline_size", 1) == 1:
+            layers = module.layers
+            if all(_compilable(m) for m in layers):
+                followed.update(id(m) for m in layers[:-1])
+    return followed
+
+
 def install(model: nn.Module) -> int:
     """Compile the decode of ``model``'s layers of ``LAYERS``; returns how many. Call it after
     the layers' weights are final (fused_projections.prepare): the traced graphs hold them."""
     layers = 0
+    followed = _followed(model)
     for _, module in model.named_modules():
         if _compilable(module):
-            module.__dict__["_compiled"] = _parts(module)
+            module.__dict__["_compiled"] = _parts(module, id(module) in followed)
             module.__class__ = _COMPILED[type(module)]
             layers += 1
     return layers

@@ -65,9 +65,15 @@ class TokenLogprobs(mx.array):
     step's graph) then waited behind theirs.
     """
 
-    def __init__(self, row: mx.array, token: int, value: float):
-        super().__init__(row)
-        self.token, self.value = token, value
+    __slots__ = ("token", "value")
+
+    @classmethod
+    def of(cls, row: mx.array, token: int, value: float) -> TokenLogprobs:
+        # The array's own constructor, with no Python ``__init__`` around it, and slots, not
+        # a dict: made for every row of every step (32 rows, 2 CPU cores: 12 against 22 us).
+        out = cls(row)
+        out.token, out.value = token, value
+        return out
 
     def __getitem__(self, index):
         if type(index) is int and index == self.token:
@@ -134,7 +140,7 @@ class BulkGenerationBatch(GenerationBatch):
                 self.Response(
                     uid=self.uids[i],
                     token=token,
-                    logprobs=TokenLogprobs(row, token, value),
+                    logprobs=TokenLogprobs.of(row, token, value),
                     finish_reason=None,
                     prompt_cache=None,
                     all_tokens=None,
@@ -179,7 +185,7 @@ class BulkGenerationBatch(GenerationBatch):
         else:
             values = _host_values(current_picked, self._current_logprobs, tokens)
         rows = [
-            TokenLogprobs(row, token, value)
+            TokenLogprobs.of(row, token, value)
             for row, token, value in zip(self._current_logprobs, tokens, values)
         ]
         if self.clock is not None:

@@ -69,6 +69,10 @@ class _Group:
         )
 
     def compute(self, x: mx.array) -> list[mx.array]:
+        return mx.split(self.matmul(x), self.splits, axis=-1)
+
+    def matmul(self, x: mx.array) -> mx.array:
+        """Every member's output for ``x``, side by side in the last axis."""
         f = self.fused
         if self.quantized:
             m = self.members[0]
@@ -88,7 +92,7 @@ class _Group:
             y = mx.addmm(f["bias"], x, self.transposed)
         else:
             y = x @ self.transposed
-        return mx.split(y, self.splits, axis=-1)
+        return y
 
     def output(self, index: int, x: mx.array) -> mx.array | None:
         """Member ``index``'s output for ``x``, or None where it should compute its own."""
