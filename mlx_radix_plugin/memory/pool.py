@@ -651,13 +651,14 @@ class KVPool:
         self._scattered |= not in_place
         for g, layers in enumerate(self.groups):
             spec = self.specs[layers[0]]
+            # The group's rows for each piece: the same for its keys and its values.
+            flat = [(self._bases[g] + local).reshape(-1) for _, local, _ in slots.pieces]
             for new, which, dim in ((keys, 0, spec.k_head_dim), (values, 1, spec.v_head_dim)):
                 row = (spec.kv_heads, dim)
                 x = mx.stack([new[i] for i in layers]).reshape(len(layers), -1, *row)
                 if rows is not None:
                     x = x[:, rows]
-                for c, local, at in slots.pieces:
-                    idx = (self._bases[g] + local).reshape(-1)
+                for (c, _, at), idx in zip(slots.pieces, flat):
                     part = (x if at is None else x[:, at]).reshape(-1, *row)
                     if in_place:
                         self._marks.append(_in_place.store(self._chunks[c][which][g], idx, part))
