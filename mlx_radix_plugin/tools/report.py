@@ -103,7 +103,7 @@ def both(a: str, b: str) -> str:
 # first token is due came to start a call later (the report says why seed_0 is not shown).
 CPU = Source("bench-medium-cpu-2026-12-06.json", "seed_1_2026_12_07")
 # Decode alone, after a decode step's host work was cut (issue 57).
-DECODE = Source("bench-medium-cpu-2026-12-06.json", "decode_attention_seed_1_2026_12_07")
+DECODE = Source("bench-medium-cpu-2026-12-06.json", "host_ops_seed_1_2026_12_07")
 
 
 def _cpu_caption(results: Path) -> str:
