@@ -67,13 +67,20 @@ def test_compiled_layers_give_the_engines_logits_bit_for_bit(loaded, arch, mode)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's q/k/v carry biases
-def test_quantized_layers_compile_with_the_engines_logits_bit_for_bit(model_dirs, arch):
+@pytest.mark.parametrize("which", ["every layer", "one projection"])
+def test_quantized_layers_compile_with_the_engines_logits_bit_for_bit(model_dirs, arch, which):
     """Quantized projections keep their inputs' shape in the compiled halves (a quantized
-    matmul's kernel may follow it): logits the uncompiled engine's, bit for bit."""
+    matmul's kernel may follow it), and a layer before one with a quantized projection hands
+    it its residual stream 3-D: logits the uncompiled engine's, bit for bit."""
     from mlx_lm import load
 
     model, tok = load(str(model_dirs[arch]))
-    nn.quantize(model, group_size=32, bits=4)
+    if which == "every layer":
+        nn.quantize(model, group_size=32, bits=4)
+    else:
+        nn.quantize(
+            model, 32, 4, class_predicate=lambda path, _: path.endswith("layers.1.self_attn.q_proj")
+        )
     layers, (tokens, logits, _) = run(model, tok, "off", compiled=True)
     _, (plain_tokens, plain_logits, _) = run(model, tok, "off", compiled=False)
     assert layers == 2 and tokens == plain_tokens

@@ -56,9 +56,7 @@ def _parts(layer: nn.Module, flat_out: bool) -> tuple:
     attn, mlp = layer.self_attn, layer.mlp
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *mlp.children().values()]
-    # A quantized matmul's kernel may be chosen by the rows' layout: those keep their shape.
-    flat = not any(isinstance(m, nn.QuantizedLinear) for m in projections)
+    flat = _flat(layer)
 
     joint = _joint_qkv(attn) if flat and q_norm is None else None
 
@@ -88,6 +86,14 @@ def _parts(layer: nn.Module, flat_out: bool) -> tuple:
         return h + mlp(layer.post_attention_layernorm(h))
 
     return mx.compile(before), mx.compile(after), flat_out and flat
+
+
+def _flat(layer: nn.Module) -> bool:
+    """Whether the layer's projections take the rows 2-D: a quantized matmul's kernel may be
+    chosen by the rows' layout, so a layer with one keeps their shape."""
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *mlp.children().values()]
+    return not any(isinstance(m, nn.QuantizedLinear) for m in projections)
 
 
 def _joint_qkv(attn: nn.Module):
@@ -150,12 +156,13 @@ _LOOPS = (llama.LlamaModel, qwen2.Qwen2Model, qwen3.Qwen3Model)
 
 
 def _followed(model: nn.Module) -> set[int]:
-    """ids of the layers whose output goes only to the next layer of the same loop."""
+    """ids of the layers whose output goes only to the next layer of the same loop, where
+    every layer of it takes its rows 2-D."""
     followed = set()
     for _, module in model.named_modules():
         if isinstance(module, _LOOPS) and getattr(module, "pipeline_size", 1) == 1:
             layers = module.layers
-            if all(_compilable(m) for m in layers):
+            if all(_compilable(m) and _flat(m) for m in layers):
                 followed.update(id(m) for m in layers[:-1])
     return followed
 

@@ -70,7 +70,7 @@ class TokenLogprobs(mx.array):
     @classmethod
     def of(cls, row: mx.array, token: int, value: float) -> TokenLogprobs:
         # The array's own constructor, with no Python ``__init__`` around it, and slots, not
-        # a dict: made for every row of every step (32 rows, 2 CPU cores: 12 against 22 us).
+        # a dict: made for every row of every step (32 rows, 2 CPU cores: 15 against 22 us).
         out = cls(row)
         out.token, out.value = token, value
         return out

@@ -354,7 +354,7 @@ def paged_attention(
     ``(B, Hkv, 1, D)``; ``at`` one layer per chunk the rows' pages lie in."""
     parts = _parts(at)
     at = parts[0]
-    B, _, _, DK = queries.shape
+    B = queries.shape[0]
     S = _splits(B, keys.shape[1], at.longest + 1)
     sinks = at.sinks is not None
     inputs = [queries, keys, values]
@@ -383,10 +383,12 @@ def paged_attention(
 
 # A layer's kernel calls, compiled once for each launch shape (splits, chunks, the batch's
 # and its page tables' shapes) and replayed: a call of ``mx.fast.cuda_kernel`` builds the
-# kernel's whole source from its template at every call, about 20 us of the host's time a
-# layer on an H100 (a one-row step of Llama-3.2-1B's shape builds in 0.94 ms), where a
-# replay builds nothing. Page tables come in bucketed widths (shared_batch.py), so a
-# replay lasts while rows grow. Each entry holds its trace; the least recently used go.
+# kernel's whole source from its template at every call (mlx/backend/cuda/custom_kernel.cpp),
+# where a replay builds nothing. Page tables come in bucketed widths (shared_batch.py), so a
+# replay lasts while rows grow. Each entry holds its trace; the least recently used go. On
+# an H100 (Llama-3.2-1B's shape, one row) the shared step built in 0.78 ms against 0.85-0.88
+# with this and compiled_layers.py's 2-D residual stream and joint RoPE together
+# (docs/benchmarking.md, "Compiled decode layers"); this call's share was not measured apart.
 MAX_CALLS = 256
 _calls: dict[tuple, object] = {}
 
