@@ -70,3 +70,20 @@ def test_a_part_counts_its_time_less_the_parts_inside_it_and_only_for_decoding_c
         time.sleep(0.01)
     clock.end_call(decoded=False)  # a prefill-only call: none of it counts
     assert clock.seconds["batch"] < 0.015 and clock.steps == 1
+
+
+def test_step_profile_shows_the_engines_parts_of_a_step_and_stocks_has_none(tmp_path):
+    """``step_profile`` puts the engine's clock beside its own split of a step: the parts of
+    the measured steps, which add up to about the step's wall time."""
+    import json
+
+    from mlx_radix_plugin.tools import step_profile
+
+    out = tmp_path / "rows.json"
+    args = ["--rows", "2", "--modes", "stock,off", "--steps", "6", "--json", str(out)]
+    assert step_profile.main(args) == 0
+    stock, engine = json.loads(out.read_text())["rows"]
+    assert stock["mode"] == "stock" and "engine_ms" not in stock
+    parts = engine["engine_ms"]
+    assert set(parts) == set(PARTS) and all(v >= 0 for v in parts.values())
+    assert parts["build"] > 0 and parts["launch"] > 0

@@ -13,7 +13,11 @@ every row decodes, each step's wall time is split into the host's parts:
 - ``wait_ms``: ``mx.eval`` of the step before, that is waiting for the device;
 - ``other_ms``: the rest (sampling's and logits processors' graphs, per-row Python);
 - ``host_ms``: ``model_ms`` and ``other_ms`` together, the host's own work around the
-  device's (each a median of steps, so they need not add up).
+  device's (each a median of steps, so they need not add up);
+- ``engine_ms`` (the engine's modes): its own clock's parts of a step (engine/step_clock.py),
+  means over the same steps: where ``other_ms`` goes (``read``: the rows' responses;
+  ``batch``: mlx-lm's ``BatchGenerator`` around the step; ``engine``: the engine's call around
+  it; ``outside``: between calls, here this tool's loop).
 
 Where ``nvidia-smi`` answers, ``device_busy`` is the GPU's utilization over the same steps
 (the share of time a kernel ran) and ``device_ms`` that share of a step: what the device
@@ -148,12 +152,15 @@ def profile(model, rows: int, mode: str, steps: int, args, gpu, fuse: bool = Tru
 
     mx.async_eval = counted
     try:
-        _run(gen, rows, steps, clock, walls, parts, args.nvtx)
+        engine = _run(gen, rows, steps, clock, walls, parts, args.nvtx)
     finally:
         mx.async_eval = launch
     gen.close()
     mx.clear_cache()
-    return _summary(walls[8:], parts[8:], ops, gpu)
+    out = _summary(walls[8:], parts[8:], ops, gpu)
+    if engine is not None:
+        out["engine_ms"] = engine
+    return out
 
 
 def _profiled(model, rows: int, mode: str, args, gpu, fuse: bool) -> dict:
@@ -178,9 +185,17 @@ def _leaves(tree) -> list:
     return [a for _, a in tree_flatten(list(tree)) if isinstance(a, mx.array)]
 
 
-def _run(gen, rows: int, steps: int, clock: _Clock, walls: list, parts: list, nvtx) -> None:
+def _run(
+    gen, rows: int, steps: int, clock: _Clock, walls: list, parts: list, nvtx
+) -> dict[str, float] | None:
+    """Step until ``steps`` are measured after 8 more; the engine's clock's parts of a
+    measured step (means, ms), where ``gen`` is the engine."""
+    engine = getattr(gen, "clock", None)
+    start_parts = None
     with timed_evals(clock):
         while len(walls) < steps + 8:
+            if engine is not None and start_parts is None and len(walls) == 8:
+                start_parts = dict(engine.seconds), engine.steps
             clock.take()
             if nvtx and len(walls) >= 8:
                 nvtx.range_push("step")
@@ -193,6 +208,11 @@ def _run(gen, rows: int, steps: int, clock: _Clock, walls: list, parts: list, nv
             if len(responses) == rows:  # every row decoded: no prefill in this call
                 walls.append((start, wall))
                 parts.append(spent)
+    if start_parts is None:
+        return None
+    seconds, first = start_parts
+    n = max(1, engine.steps - first)
+    return {k: round(1000 * (v - seconds[k]) / n, 3) for k, v in engine.seconds.items()}
 
 
 def _summary(measured: list, parts: list, ops: Counter, gpu) -> dict:
