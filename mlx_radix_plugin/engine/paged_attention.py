@@ -370,8 +370,8 @@ def paged_attention(
         ]
     if sinks:
         inputs.append(at.sinks)
-    shapes = tuple(tuple(x.shape) for x in inputs[:3]) + (at.pages.shape,)
-    key = (S, len(parts), sinks, at.page_size, at.window or 0, queries.dtype, shapes)
+    # The rest of the inputs' shapes follow from the model and the batch's rows.
+    key = (S, len(parts), sinks, at.page_size, at.window or 0, queries.dtype, B, at.pages.shape)
     call = _calls.pop(key, None)
     if call is None:
         call = mx.compile(partial(_attend, S, len(parts), sinks, at.page_size, at.window or 0))
