@@ -11,7 +11,9 @@ every row decodes, each step's wall time is split into the host's parts:
 - ``launch_ms``: ``mx.async_eval`` of the next step, which on a GPU encodes and launches its
   kernels (on MLX's CUDA backend: adding them to a CUDA graph, updating and launching it);
 - ``wait_ms``: ``mx.eval`` of the step before, that is waiting for the device;
-- ``other_ms``: the rest (sampling's and logits processors' graphs, per-row Python);
+- ``other_ms``: the rest (sampling's and logits processors' graphs, per-row Python, and
+  each row's sampled log-probability read to the host, as mlx_lm.server's generation thread
+  reads it);
 - ``host_ms``: ``model_ms`` and ``other_ms`` together, the host's own work around the
   device's (each a median of steps, so they need not add up);
 - ``engine_ms`` (the engine's modes): its own clock's parts of a step (engine/step_clock.py),
@@ -178,6 +180,15 @@ def _profiled(model, rows: int, mode: str, args, gpu, fuse: bool) -> dict:
     return out[0]
 
 
+def _read_as_the_server(responses: list) -> None:
+    """What mlx_lm.server's generation thread does with each row's response of every step,
+    besides detokenizing: read its token's log-probability to the host
+    (``r.logprobs[r.token].item()``). Stock's rows are arrays, whose ``item()`` evaluates a
+    slice; the engine's answer it from the host (decode_step.py, ``TokenLogprobs``)."""
+    for r in responses:
+        r.logprobs[r.token].item()
+
+
 def _leaves(tree) -> list:
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -201,6 +212,7 @@ def _run(
                 nvtx.range_push("step")
             start = time.perf_counter()
             responses = gen.next()[1]
+            _read_as_the_server(responses)
             wall = time.perf_counter() - start
             if nvtx and len(walls) >= 8:
                 nvtx.range_pop()
