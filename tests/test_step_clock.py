@@ -87,3 +87,37 @@ def test_step_profile_shows_the_engines_parts_of_a_step_and_stocks_has_none(tmp_
     parts = engine["engine_ms"]
     assert set(parts) == set(PARTS) and all(v >= 0 for v in parts.values())
     assert parts["build"] > 0 and parts["launch"] > 0
+
+
+def test_step_profile_reads_each_rows_log_probability_as_the_server_does(monkeypatch):
+    """Every measured step reads each response's ``logprobs[token]`` to the host, stock's and
+    the engine's alike: mlx_lm.server's generation thread does at every step, and leaving it
+    out left stock's reads (a slice evaluated a row) uncounted."""
+    import mlx.core as mx
+
+    from mlx_radix_plugin.tools import step_profile
+
+    read = []
+    real = step_profile._read_as_the_server
+
+    def recorded(responses):
+        real(responses)
+        read.append([(r.uid, r.token) for r in responses])
+
+    monkeypatch.setattr(step_profile, "_read_as_the_server", recorded)
+    assert step_profile.main(["--rows", "2", "--modes", "stock,off", "--steps", "4"]) == 0
+    decoding = [step for step in read if len(step) == 2]
+    assert len(decoding) >= 2 * (4 + 8)  # both modes' measured steps and their 8 before
+
+    class Row:  # a response's logprobs: what ``[token].item()`` touched
+        def __init__(self):
+            self.items = []
+
+        def __getitem__(self, token):
+            self.items.append(token)
+            return mx.array(0.5)
+
+    rows = [Row(), Row()]
+    responses = [type("R", (), {"logprobs": row, "token": t})() for row, t in zip(rows, (3, 7))]
+    real(responses)
+    assert [row.items for row in rows] == [[3], [7]]
