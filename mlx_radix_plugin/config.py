@@ -288,16 +288,20 @@ SETTINGS: tuple[Setting, ...] = (
         "auto",
         "a decode step's Llama, Qwen2 and Qwen3 layers as compiled calls around the cache and "
         "attention, so "
-        "that building the step costs the host less (auto: on; off: mlx-lm's layer code; "
-        "the same operations, stock's logits bitwise on the CPU)",
-        choices=("auto", "off"),
+        "that building the step costs the host less (layers: the same operations, stock's "
+        "logits bitwise on the CPU; pass: the layers, and a shared decode pass through CUDA's "
+        "paged kernel as one compiled call, the layer-by-layer logits bit for bit on the "
+        "CPU's form of the kernel, a 16-layer tiny shape's one-row pass built in 0.61-0.70 "
+        "ms against 1.04-1.06; off: mlx-lm's layer code)",
+        choices=("auto", "layers", "pass", "off"),
         auto=Auto(
-            cpu="on: one row's decode step 0.86 to 0.68 ms (2 layers of a tiny shape, in "
+            cpu="layers: one row's decode step 0.86 to 0.68 ms (2 layers of a tiny shape, in "
             "process), the medium bench's decode 1.09x stock's against 1.03x before; logits "
             "bitwise the uncompiled engine's",
-            metal="on, as on the CPU and CUDA: it saves the host's work building a step, which "
+            metal="layers, as on the CPU and CUDA: it saves the host's work building a step, which "
             "every backend does; not measured on Metal",
-            cuda="on. H100, Llama-3.2-1B's shape in bf16: 1 request 377 to 412 tokens/s, 32 "
+            cuda="layers (pass not yet measured on CUDA, the one device it serves). H100, "
+            "Llama-3.2-1B's shape in bf16: 1 request 377 to 412 tokens/s, 32 "
             "requests 5,611 to 6,019; Qwen3-1.7B's shape: within the spread of five runs "
             "(1 request 178-198 tokens/s against 153-203); logits bitwise",
         ),

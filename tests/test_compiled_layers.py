@@ -126,6 +126,7 @@ def test_each_layer_but_the_last_hands_the_next_its_residual_stream_2d(loaded, a
 
 
 def test_off_leaves_mlx_lms_layers_and_a_bad_value_is_named():
-    assert compiled_layers.enabled("auto") and not compiled_layers.enabled("off")
-    with pytest.raises(ValueError, match="decode.compile must be one of auto, off, got 'on'"):
+    assert all(compiled_layers.enabled(m) for m in ("auto", "layers", "pass"))
+    assert not compiled_layers.enabled("off")
+    with pytest.raises(ValueError, match="must be one of auto, layers, pass, off, got 'on'"):
         compiled_layers.enabled("on")

@@ -176,13 +176,11 @@ class SharedPass:
         self._paged: tuple | None = None  # paged_pages, asked once a pass
         self._heads: dict[int, tuple] = {}  # id of a pool array -> (it, its one-row view)
 
-    def paged_pages(self) -> tuple[list[tuple[int, mx.array]], int] | None:
-        """``SharedRows.paged_pages`` and the rows' longest length, as the paged kernel reads
-        them (None where no row has a page yet): worked out by the pass's first layer, read
-        by every other."""
+    def paged_pages(self) -> list[tuple[int, mx.array]] | None:
+        """``SharedRows.paged_pages``, as the paged kernel reads them (None where no row has a
+        page yet): worked out by the pass's first layer, read by every other."""
         if self._paged is None:
-            tables = self.shared.paged_pages(self._rows)
-            self._paged = ((tables, max(self.lengths)) if tables else None,)
+            self._paged = (self.shared.paged_pages(self._rows) or None,)
         return self._paged[0]
 
     def head(self, array: mx.array) -> mx.array:
@@ -297,6 +295,18 @@ class SharedPass:
 _owners: dict[int, tuple[mx.array, SharedPrefixBatchCache]] = {}
 
 
+def stage_pass(caches: list[SharedPrefixBatchCache], keys: list, values: list) -> None:
+    """A pass whose every layer attended in one call (engine/compiled_pass.py): each layer's
+    step K/V staged for the pool, as its ``update_and_fetch`` would, then the pass ended as
+    its last ``attended`` would."""
+    rows = caches[0].rows
+    step = caches[0].begin_pass()
+    if rows.ctx.any:
+        for cache, k, v in zip(caches, keys, values):
+            rows.ctx.write(rows.pool, cache.layer, k, v)
+    caches[-1]._end_pass(step)
+
+
 def owner_of(keys: mx.array) -> SharedPrefixBatchCache | None:
     """The shared-prefix cache whose ``update_and_fetch`` returned ``keys`` this pass."""
     entry = _owners.get(id(keys))
@@ -342,24 +352,31 @@ class SharedPrefixBatchCache(OffsetCache):
                 "prompts are processed by the batch caches of batch.py"
             )
         rows = self.rows
-        ctx = rows.ctx
-        if ctx is None:
-            ctx = rows.begin(1)
-            rows.shared_pass = SharedPass(rows, self._shared())
-        if ctx.any:
-            ctx.write(rows.pool, self.layer, keys, values)
+        step = self.begin_pass()
+        if rows.ctx.any:
+            rows.ctx.write(rows.pool, self.layer, keys, values)
         _owners[id(keys)] = (keys, self)
-        rows.shared_pass.owned.append(id(keys))
+        step.owned.append(id(keys))
         return keys, values
+
+    def begin_pass(self) -> SharedPass:
+        """The pass under way, begun here if none is (by its first layer)."""
+        rows = self.rows
+        if rows.ctx is None:
+            rows.begin(1)
+            rows.shared_pass = SharedPass(rows, self._shared())
+        return rows.shared_pass
 
     def attended(self) -> None:
         """Called by the attention after its reads: the last call ends the pass, and the
         step's K/V go to the pool after every read of it (``SharedPass``)."""
-        rows = self.rows
-        step = rows.shared_pass
+        step = self.rows.shared_pass
         step.calls += 1
-        if step.calls < self.attention_calls:
-            return
+        if step.calls == self.attention_calls:
+            self._end_pass(step)
+
+    def _end_pass(self, step: SharedPass) -> None:
+        rows = self.rows
         ctx = rows.ctx
         if len(ctx.valid) != sum(ctx.valid):
             raise RuntimeError(

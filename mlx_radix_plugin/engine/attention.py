@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -389,17 +390,16 @@ def paged(
     yet; the kernel failed its check on this device for this geometry): the MLX-ops variants
     do then."""
     step = cache.step
-    layout = step.paged_pages()
-    if layout is None:
+    tables = step.paged_pages()
+    if tables is None:
         return None
-    tables, longest = layout
     pool = step.pool
     at = []
     for chunk, pages in tables:
         k_pool, v_pool, base = pool.layer_arrays(cache.layer, chunk)
         at.append(paged_attention.PagedLayer(
-            k_pool, v_pool, base, pages, step.positions, longest, pool.page_size, scale,
-            cache.window, sinks, (step.head(k_pool), step.head(v_pool)),
+            k_pool, v_pool, base, pages, step.positions, pool.page_size, scale, cache.window,
+            sinks, (step.head(k_pool), step.head(v_pool)),
         ))  # fmt: skip
     if mx.default_device() == mx.cpu:
         return paged_attention.reference(queries, keys, values, at)
@@ -409,6 +409,55 @@ def paged(
     ):
         return None
     return paged_attention.paged_attention(queries, keys, values, at)
+
+
+@dataclass(frozen=True)
+class PagedPass:
+    """A shared decode pass whose every layer reads the pool through the paged kernel (its
+    MLX-ops form on the CPU, ``VARIANT = "paged"``): what engine/compiled_pass.py runs as
+    one compiled call."""
+
+    # What the call is traced for, besides its inputs' shapes: the kernel or its MLX-ops
+    # form, the chunks the rows' pages lie in, the page size, and per layer (its group's
+    # place among ``arrays``, its first row in them, its window).
+    key: tuple
+    positions: mx.array  # (B,) int32: each row's position for the step's token
+    # Each chunk's page table (``SharedRows.paged_pages``), then for each group of layers
+    # and each chunk, its key and value arrays (one-row views for the kernel: in_place.head).
+    arrays: list[mx.array]
+
+
+def paged_pass(caches: list, geometry: tuple) -> PagedPass | None:
+    """The pass about to run over ``caches`` (a decode batch's, one a layer) as a
+    ``PagedPass``, begun; None where a layer would not take the paged kernel (another path,
+    a layer reusing another's K/V, no row with a page yet, the kernel's ``check`` failed for
+    ``geometry``: dtype, query heads, KV heads, key and value dims)."""
+    first = caches[0]
+    if not isinstance(first, SharedPrefixBatchCache) or first.attention_calls != len(caches):
+        return None
+    if not (VARIANT == "paged" or (VARIANT is None and first.paged)):
+        return None
+    pool = first.rows.pool
+    kernel = mx.default_device() != mx.cpu
+    windows = {c.window for c in caches}
+    if kernel and not all(paged_attention.check(*geometry, pool.page_size, w) for w in windows):
+        return None
+    step = first.begin_pass()
+    tables = step.paged_pages()
+    if tables is None:
+        return None
+    places = [pool.layer_place(c.layer) for c in caches]
+    groups = sorted({g for g, _ in places})
+    arrays = [pages for _, pages in tables]
+    for g in groups:
+        for chunk, _ in tables:
+            k, v = pool.group_arrays(g, chunk)
+            arrays += [step.head(k), step.head(v)] if kernel else [k, v]
+    layers = tuple(
+        (len(tables) + 2 * len(tables) * groups.index(g), base, c.window)
+        for (g, base), c in zip(places, caches)
+    )
+    return PagedPass((kernel, len(tables), pool.page_size, layers), step.positions, arrays)
 
 
 def shared_prefix_attention(

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2, qwen3
 
-MODES = ("auto", "off")
+MODES = ("auto", "layers", "pass", "off")
 
 # Layer classes whose decode compiles, with the module whose attention call site the engine
 # routes (engine/attention.py patches each module's name) and their attention and MLP classes:
@@ -152,7 +152,7 @@ def _compilable(module: nn.Module) -> bool:
 # Models whose layer loop only hands each layer's output to the next (mlx-lm's own, for the
 # classes of ``LAYERS``; Qwen2's over a pipeline's layers, of one process here): a layer
 # followed by another of its list may hand it the residual stream 2-D.
-_LOOPS = (llama.LlamaModel, qwen2.Qwen2Model, qwen3.Qwen3Model)
+LOOPS = (llama.LlamaModel, qwen2.Qwen2Model, qwen3.Qwen3Model)
 
 
 def _followed(model: nn.Module) -> set[int]:
@@ -160,7 +160,7 @@ def _followed(model: nn.Module) -> set[int]:
     every layer of it takes its rows 2-D."""
     followed = set()
     for _, module in model.named_modules():
-        if isinstance(module, _LOOPS) and getattr(module, "pipeline_size", 1) == 1:
+        if isinstance(module, LOOPS) and getattr(module, "pipeline_size", 1) == 1:
             layers = module.layers
             if all(_compilable(m) and _flat(m) for m in layers):
                 followed.update(id(m) for m in layers[:-1])
@@ -190,7 +190,8 @@ def uninstall(model: nn.Module) -> None:
 
 
 def enabled(mode: str) -> bool:
-    """``decode.compile``: ``auto`` compiles."""
+    """``decode.compile``: all but ``off`` compile the layers (``pass`` a paged shared pass
+    whole as well: compiled_pass.py)."""
     if mode not in MODES:
         raise ValueError(f"decode.compile must be one of {', '.join(MODES)}, got {mode!r}")
     return mode != "off"

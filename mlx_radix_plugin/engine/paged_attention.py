@@ -57,7 +57,7 @@ WARPS = 4  # warps a block
 LANES = 16
 # Blocks a layer aims for (about four per multiprocessor of an H100/H200's 132): a row's
 # positions are split over more blocks until the batch has that many, each split at least
-# MIN_SPLIT_TOKENS long.
+# MIN_SPLIT_TOKENS of the positions its page tables' width holds (``_splits``).
 TARGET_BLOCKS = 528
 MIN_SPLIT_TOKENS = 64
 
@@ -312,11 +312,14 @@ def _constant(value, dtype: mx.Dtype) -> mx.array:
     return a
 
 
-def _splits(rows: int, kv_heads: int, longest: int) -> int:
+def _splits(rows: int, kv_heads: int, positions: int) -> int:
     """Blocks a row's positions are split over: enough for ``TARGET_BLOCKS`` in all, each
-    at least ``MIN_SPLIT_TOKENS`` positions."""
+    at least ``MIN_SPLIT_TOKENS`` of ``positions``, those the page tables' width holds (and
+    the step's own): a function of the tables' shape, so a call's splits change only when
+    its tables widen (a bucket of pages) and its compiled form is replayed until then; each
+    block takes an equal share of its row's actual positions."""
     want = -(-TARGET_BLOCKS // max(1, rows * kv_heads))
-    return max(1, min(want, -(-longest // MIN_SPLIT_TOKENS)))
+    return max(1, min(want, -(-positions // MIN_SPLIT_TOKENS)))
 
 
 @dataclass(frozen=True)
@@ -329,7 +332,6 @@ class PagedLayer:
     base: int
     pages: mx.array  # (B, P) int32: each row's pages in that array's chunk, -1 in another
     lengths: mx.array  # (B,) int32: the positions each row has there
-    longest: int  # the most of them
     page_size: int
     scale: float
     window: int | None = None  # a sliding window's size
@@ -355,7 +357,7 @@ def paged_attention(
     parts = _parts(at)
     at = parts[0]
     B = queries.shape[0]
-    S = _splits(B, keys.shape[1], at.longest + 1)
+    S = _splits(B, keys.shape[1], at.pages.shape[1] * at.page_size + 1)
     sinks = at.sinks is not None
     inputs = [queries, keys, values]
     for part in parts:
@@ -543,7 +545,7 @@ def _compare(dtype, Hq, Hkv, DK, DV, ps, window, sinks) -> bool:
         vn = mx.random.normal((B, Hkv, 1, DV), key=ks[5]).astype(dtype)
         s = mx.random.normal((Hq,), key=ks[6]).astype(dtype) if sinks else None
         n = mx.array(lengths, dtype=mx.int32)
-        at = PagedLayer(k_pool, v_pool, base, pages, n, max(lengths), ps, DK**-0.5, window, s)
+        at = PagedLayer(k_pool, v_pool, base, pages, n, ps, DK**-0.5, window, s)
         # The same rows with their pages over two chunks, the second with arrays of its own.
         other = mx.random.bernoulli(key=ks[7], shape=pages.shape)
         two = [

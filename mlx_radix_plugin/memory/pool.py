@@ -696,10 +696,19 @@ class KVPool:
         Whole arrays rather than views of the layer's slots: on the H200, 32 rows decoding
         with views took 926 tokens/s (stock 759), with whole arrays 1,250 (stock 848), a
         device call apart (docs/benchmarking.md, "The paged decode kernel on CUDA")."""
-        self.launch_stores()
         g, base = self._where[layer]
+        return (*self.group_arrays(g, chunk), base)
+
+    def layer_place(self, layer: int) -> tuple[int, int]:
+        """Layer ``layer``'s group (the arrays of a chunk that hold it) and its first row
+        in them."""
+        return self._where[layer]
+
+    def group_arrays(self, group: int, chunk: int) -> tuple[mx.array, mx.array]:
+        """The key and value arrays of chunk ``chunk`` that hold group ``group``'s layers."""
+        self.launch_stores()
         keys, values = self._chunks[chunk]
-        return keys[g], values[g], base
+        return keys[group], values[group]
 
     def flat_views(self, layer: int) -> tuple[FlatViews, FlatViews]:
         """Layer ``layer``'s K and V rows in each chunk as ``(slots * heads, dim)`` views,

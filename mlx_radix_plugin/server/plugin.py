@@ -18,7 +18,7 @@ from mlx_lm_hooks.server import context_length
 from ..agents import plugin as agents
 from ..cache.prompt_cache import idle_stats
 from ..config import Config, ConfigError, exit_with_usage_error, load_config, set_log_level
-from ..engine import compiled_layers, fused_projections, warmup
+from ..engine import compiled_layers, compiled_pass, fused_projections, warmup
 from ..engine.decode_path import idle_stats as idle_decode_stats
 from ..engine.generator import RadixBatchGenerator
 from ..engine.step_clock import StepClock
@@ -127,6 +127,7 @@ class RadixPlugin:
                 self._prepare(model, cli_args)
             self.cache.bind(model, model_key, draft_model, cli_args, tokenizer)
             if prepared and self.cache.radix is None:  # it fell back to stock's cache
+                compiled_pass.uninstall(model)
                 compiled_layers.uninstall(model)
                 fused_projections.restore(model)
         if not self.config["decode.batched"]:
@@ -151,10 +152,13 @@ class RadixPlugin:
         if groups:
             log.info("radix: %d groups of projections fused", groups)
         # After fusing: the compiled layers hold the weights as they are now.
-        if compiled_layers.enabled(self.config["decode.compile"]):
+        mode = self.config["decode.compile"]
+        if compiled_layers.enabled(mode):
             layers = compiled_layers.install(model)
             if layers:
                 log.info("radix: %d layers decode through compiled calls", layers)
+        if compiled_pass.enabled(mode) and compiled_pass.install(model):
+            log.info("radix: paged shared decode passes run as compiled calls")
         if warmup.enabled(self.config["decode.warmup"]):
             self._warm_up(model, getattr(cli_args, "prefill_step_size", None) or 2048)
 

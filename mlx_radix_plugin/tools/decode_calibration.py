@@ -63,7 +63,7 @@ def make_generator(
     samplers: list | None = None,
     stream=None,
     fuse: bool = True,
-    compiled: bool = True,
+    compiled: str = "auto",
 ):
     """``prompts`` inserted into mlx-lm's ``BatchGenerator`` (``mode`` stock) or the engine
     (``off``: the exact path; ``on``, ``split``, ``masked``, ``paged``: the shared one), each
@@ -71,22 +71,25 @@ def make_generator(
     greedy).
     The engine's pool holds ``pool_tokens`` (default: what the prompts need); ``stream``:
     the generator's (default: mlx-lm's own generation stream); ``fuse``: the engine's model
-    with its projections fused (``model.fuse_projections``); ``compiled``: its Llama and Qwen layers
-    decoding through compiled calls (``decode.compile``)."""
+    with its projections fused (``model.fuse_projections``); ``compiled``: its
+    ``decode.compile``."""
     from mlx_lm.generate import BatchGenerator
 
     from ..cache.prompt_cache import RadixPromptCache
-    from ..engine import attention, compiled_layers, fused_projections
+    from ..engine import attention, compiled_layers, compiled_pass, fused_projections
     from ..engine.generator import RadixBatchGenerator
     from ..memory.pool import KVPool
 
     # As each server runs it: the plugin fuses projections and gives the rest their views.
+    compiled_pass.uninstall(model)
     compiled_layers.uninstall(model)
     fused_projections.restore(model)
     if mode != "stock":
         fused_projections.prepare(model, fuse)
-        if compiled:
+        if compiled_layers.enabled(compiled):
             compiled_layers.install(model)
+        if compiled_pass.enabled(compiled):
+            compiled_pass.install(model)
     n = len(prompts)
     sizes = dict(completion_batch_size=max(32, n), prefill_batch_size=min(n, 8), stream=stream)
     extra = dict(logits_processors=processors or [[]] * n, samplers=samplers)

@@ -1305,7 +1305,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--compile",
         default="auto",
-        choices=["auto", "off"],
+        choices=["auto", "layers", "pass", "off"],
         help="the plugin's decode.compile",
     )
     p.add_argument(

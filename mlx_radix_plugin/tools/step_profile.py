@@ -1,8 +1,10 @@
 """Where a decode step's time goes, in process: stock mlx-lm's BatchGenerator and the engine.
 
 Modes: ``stock``, the engine's exact path (``off``) and its shared path (``on``: on CUDA the
-paged kernel, engine/paged_attention.py); the engine's modes with its projections fused
-(``--fuse on``, as the plugin serves by default), unfused (``off``) or both.
+paged kernel, engine/paged_attention.py; ``paged``: that kernel wherever it serves, its MLX-ops
+form on the CPU); the engine's modes with its projections fused (``--fuse on``, as the plugin
+serves by default), unfused (``off``) or both; ``--compile pass`` runs a paged pass as one
+compiled call (engine/compiled_pass.py).
 
 For each batch size, ROWS requests with short prompts of their own decode together; once
 every row decodes, each step's wall time is split into the host's parts:
@@ -46,7 +48,7 @@ from pathlib import Path
 
 from .decode_calibration import make_generator
 
-MODES = ("stock", "off", "on")
+MODES = ("stock", "off", "on", "paged")
 PARTS = ("model_ms", "launch_ms", "wait_ms")
 
 
@@ -139,7 +141,7 @@ def profile(model, rows: int, mode: str, steps: int, args, gpu, fuse: bool = Tru
     gen = make_generator(
         model, prompts, mode, steps + 64, processors=processors, samplers=samplers,
         pool_tokens=args.pool_tokens or None, stream=stream, fuse=fuse, chunk_mib=ONE_CHUNK_MIB,
-        compiled=args.compile == "on",
+        compiled=args.compile,
     )  # fmt: skip
     # mlx-lm's batches call the model their generator was made with.
     gen.model = gen._generation_batch.model = _TimedModel(model, clock)
@@ -269,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--compile",
-        default="on",
-        choices=["on", "off"],
-        help="the engine's Llama and Qwen layers decode through compiled calls (decode.compile)",
+        default="auto",
+        choices=["auto", "layers", "pass", "off"],
+        help="the engine's decode.compile: its Llama and Qwen layers through compiled calls "
+        "(auto, layers), and a paged shared pass as one (pass)",
     )
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens a row")
     p.add_argument("--steps", type=int, default=48, help="decode steps timed a point")
