@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 from test_compiled_layers import COMPILED
+from test_compiled_layers import served as layers_served
 from test_shared_prefix import (
     assert_close_to_stock,
     engine_run,
@@ -21,25 +22,20 @@ from test_shared_prefix import (
     warm,
 )
 
-from mlx_radix_plugin.engine import attention, compiled_layers, compiled_pass, fused_projections
+from mlx_radix_plugin.engine import attention, compiled_layers, compiled_pass
 
 
 @contextlib.contextmanager
 def served(model, whole: bool):
-    """``model`` with projections fused and layers compiled, its paged passes compiled or
-    not."""
+    """``model`` as the plugin serves it with its layers compiled, its paged passes compiled
+    or not."""
     compiled_pass.uninstall(model)
-    compiled_layers.uninstall(model)
-    fused_projections.restore(model)
-    fused_projections.prepare(model, fuse=True)
-    compiled_layers.install(model)
-    loops = compiled_pass.install(model) if whole else 0
-    try:
-        yield loops
-    finally:
-        compiled_pass.uninstall(model)
-        compiled_layers.uninstall(model)
-        fused_projections.restore(model)
+    with layers_served(model, compiled=True):
+        loops = compiled_pass.install(model) if whole else 0
+        try:
+            yield loops
+        finally:
+            compiled_pass.uninstall(model)
 
 
 @pytest.fixture

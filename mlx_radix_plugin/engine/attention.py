@@ -418,8 +418,8 @@ class PagedPass:
     one compiled call."""
 
     # What the call is traced for, besides its inputs' shapes: the kernel or its MLX-ops
-    # form, the chunks the rows' pages lie in, the page size, and per layer (its group's
-    # place among ``arrays``, its first row in them, its window).
+    # form, the chunks the rows' pages lie in, the page size, and per layer its group and
+    # first row in the group's arrays (``KVPool.layer_places``) and its window.
     key: tuple
     positions: mx.array  # (B,) int32: each row's position for the step's token
     # Each chunk's page table (``SharedRows.paged_pages``), then for each group of layers
@@ -439,25 +439,22 @@ def paged_pass(caches: list, geometry: tuple) -> PagedPass | None:
         return None
     pool = first.rows.pool
     kernel = mx.default_device() != mx.cpu
-    windows = {c.window for c in caches}
-    if kernel and not all(paged_attention.check(*geometry, pool.page_size, w) for w in windows):
+    windows = tuple(c.window for c in caches)
+    if kernel and not all(
+        paged_attention.check(*geometry, pool.page_size, w) for w in set(windows)
+    ):
         return None
     step = first.begin_pass()
     tables = step.paged_pages()
     if tables is None:
         return None
-    places = [pool.layer_place(c.layer) for c in caches]
-    groups = sorted({g for g, _ in places})
     arrays = [pages for _, pages in tables]
-    for g in groups:
+    for g in range(len(pool.groups)):
         for chunk, _ in tables:
             k, v = pool.group_arrays(g, chunk)
             arrays += [step.head(k), step.head(v)] if kernel else [k, v]
-    layers = tuple(
-        (len(tables) + 2 * len(tables) * groups.index(g), base, c.window)
-        for (g, base), c in zip(places, caches)
-    )
-    return PagedPass((kernel, len(tables), pool.page_size, layers), step.positions, arrays)
+    key = (kernel, len(tables), pool.page_size, pool.layer_places(), windows)
+    return PagedPass(key, step.positions, arrays)
 
 
 def shared_prefix_attention(

@@ -75,17 +75,18 @@ class _PassLoop:
 def _pass(loop: nn.Module, layout: tuple, tokens: mx.array, positions: mx.array, *arrays):
     """The layer loop of one paged pass: ``layout`` is ``PagedPass.key``, ``arrays`` its
     ``arrays``. Returns the final norm's output and each layer's K and V of the step."""
-    kernel, chunks, page_size, places = layout
+    kernel, chunks, page_size, places, windows = layout
     attend = paged_attention.paged_attention if kernel else paged_attention.reference
     tables = arrays[:chunks]
     h = loop.embed_tokens(tokens)
     keys, values = [], []
-    for layer, (at, base, window) in zip(loop.layers, places):
+    for layer, (group, base), window in zip(loop.layers, places, windows):
         before, after, _ = layer.__dict__["_compiled"]
         q, k, v = before(h, positions)
         parts = []
         for i, pages in enumerate(tables):
-            kp, vp = arrays[at + 2 * i], arrays[at + 2 * i + 1]
+            at = chunks + 2 * (group * chunks + i)  # the group's arrays in chunk i
+            kp, vp = arrays[at], arrays[at + 1]
             # For the kernel, ``kp``/``vp`` are the arrays' one-row views, as its ``heads``.
             parts.append(paged_attention.PagedLayer(
                 kp, vp, base, pages, positions, page_size, layer.self_attn.scale, window,

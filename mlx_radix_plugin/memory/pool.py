@@ -699,10 +699,10 @@ class KVPool:
         g, base = self._where[layer]
         return (*self.group_arrays(g, chunk), base)
 
-    def layer_place(self, layer: int) -> tuple[int, int]:
-        """Layer ``layer``'s group (the arrays of a chunk that hold it) and its first row
-        in them."""
-        return self._where[layer]
+    def layer_places(self) -> tuple[tuple[int, int], ...]:
+        """Each layer's group (the arrays of a chunk that hold it) and its first row in
+        them, in layer order."""
+        return tuple(self._where)
 
     def group_arrays(self, group: int, chunk: int) -> tuple[mx.array, mx.array]:
         """The key and value arrays of chunk ``chunk`` that hold group ``group``'s layers."""
