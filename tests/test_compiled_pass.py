@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 from test_compiled_layers import COMPILED
@@ -59,6 +60,15 @@ def traced(monkeypatch):
     return counts
 
 
+def assert_bitwise(got, expected):
+    tokens, logits = got
+    plain_tokens, plain_logits = expected
+    assert tokens == plain_tokens
+    for i, steps in plain_logits.items():
+        assert len(logits[i]) == len(steps)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(logits[i], steps)), i
+
+
 def run(model, tok, whole: bool):
     prefix = prefix_of(tok)
     prompts = [prefix + question(tok, i) for i in range(3)] + [tok.encode("Once upon a time")]
@@ -82,12 +92,29 @@ def test_a_compiled_pass_gives_the_layer_by_layer_logits_bit_for_bit(
     ran = traced["run"]
     _, _, (plain_tokens, plain_logits, plain_paths) = run(model, tok, whole=False)
     assert traced["run"] == ran  # not installed: every pass layer by layer
-    assert tokens == plain_tokens and paths == plain_paths
-    for i, steps in plain_logits.items():
-        assert len(logits[i]) == len(steps)
-        for step, (a, b) in enumerate(zip(logits[i], steps)):
-            assert mx.array_equal(a, b).item(), (i, step, mx.abs(a - b).max().item())
+    assert paths == plain_paths
+    assert_bitwise((tokens, logits), (plain_tokens, plain_logits))
     assert_close_to_stock((tokens, logits), stock_run(model, tok, prompts, [12, 6, 12, 9]))
+
+
+@pytest.mark.parametrize("which", ["4-bit layers", "sliding windows"])
+def test_quantized_and_windowed_llamas_pass_as_layer_by_layer(tmp_path, which, traced, monkeypatch):
+    """Quantized projections keep the residual stream 3-D between the halves, and a layer
+    with a sliding window reads only the positions in it: the pass's logits the
+    layer-by-layer pass's bit for bit, and stock's tokens."""
+    from mlx_lm import load
+    from tiny_models import build_model
+
+    monkeypatch.setattr(attention, "VARIANT", "paged")
+    window = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    model, tok = load(str(build_model("llama", tmp_path, **(window if "window" in which else {}))))
+    if "bit" in which:
+        nn.quantize(model, group_size=32, bits=4)
+    _, prompts, (tokens, logits, _) = run(model, tok, whole=True)
+    assert traced["run"] > 0
+    _, _, (plain_tokens, plain_logits, _) = run(model, tok, whole=False)
+    assert_bitwise((tokens, logits), (plain_tokens, plain_logits))
+    assert tokens == stock_run(model, tok, prompts, [12, 6, 12, 9])[0]
 
 
 def test_passes_of_another_path_run_layer_by_layer(loaded, traced, monkeypatch):
