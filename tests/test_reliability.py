@@ -703,11 +703,12 @@ def test_soak_with_restarts(model_dirs, hf_cache, tmp_path):
     """A minute of soak on the disk tier, the server killed (SIGKILL) every 20 s mid-traffic
     and started again on the same disk: idle and answering as before after each restart,
     with pages read back from disk, and no file on disk that fails its check."""
-    disk = tmp_path / "disk"
+    disk, tmp = tmp_path / "disk", tmp_path / "tmp"
+    tmp.mkdir()
     cmd = [str(BIN / "mlx-radix"), "soak", "--model", str(model_dirs["llama"])]
     cmd += ["--minutes", "1", "--check-every", "10", "--restart-every", "20"]
     cmd += ["--disk-dir", str(disk)]
-    result = run_to_exit(cmd, server_env(hf_cache), timeout=300)
+    result = run_to_exit(cmd, server_env(hf_cache, TMPDIR=str(tmp)), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     verdict = result.stdout.splitlines()[0]
     found = RESTARTS.search(verdict)
@@ -718,3 +719,4 @@ def test_soak_with_restarts(model_dirs, hf_cache, tmp_path):
     assert read > 0 and written > 0, verdict
     # The last server stopped cleanly: its pages are there, and no write was left half done.
     assert list(disk.glob("*/*/*.safetensors")) and not list(disk.glob("*/*/*.tmp*"))
+    assert not list(tmp.glob("mlx-radix-soak-*"))  # the servers' logs go with a soak that passed

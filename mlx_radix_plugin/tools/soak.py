@@ -399,7 +399,7 @@ class Report:
     live_checks: int = 0
     violations: list[str] = field(default_factory=list)
     stats: dict = field(default_factory=dict)  # the last stats read
-    log: Path | None = None  # the server's output (of its last life)
+    log: Path | None = None  # a failed soak's server output (of its last life)
     logs: list[Path] = field(default_factory=list)  # every life's, in order
     # Restarts: each server life's last stats (its counters start from 0), the restarts
     # done, requests lost to them, restarts whose new server read pages from disk, and
@@ -781,8 +781,9 @@ def soak_server(
     The pool is small on purpose: the workload keeps it full, so eviction runs all along.
     ``restart_every`` seconds: kill the server (SIGKILL) that often and start it again, on
     the disk tier. ``disk_dir`` turns the disk tier on there (default with restarts: a
-    temporary directory, removed after a soak that passed); ``disk_mib`` is its budget
-    (0: the server's default).
+    temporary directory); ``disk_mib`` is its budget (0: the server's default). The servers'
+    logs and the temporary disk tier lie in a temporary directory, removed after a soak that
+    passed and named in the report of one that failed.
     """
     if restart_every is not None and not 0 < restart_every < minutes * 60:
         raise ValueError(f"restarts every {restart_every} s in a soak of {minutes * 60:g} s")
@@ -821,9 +822,12 @@ def soak_server(
         status = lives.stop()
     if status is not None:
         report.violations.append(f"the server exited with status {status}")
-    report.log, report.logs = lives.logs[-1], lives.logs
-    if disk and disk_dir is None and not report.violations:
-        shutil.rmtree(run_dir / "disk", ignore_errors=True)
+    if report.violations:
+        report.log, report.logs = lives.logs[-1], lives.logs
+    else:
+        # The logs are kept for a soak that failed, where its verdict names them; a soak
+        # that passed leaves no directory behind (a test suite runs several).
+        shutil.rmtree(run_dir, ignore_errors=True)
     return report
 
 
