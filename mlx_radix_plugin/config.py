@@ -300,10 +300,11 @@ SETTINGS: tuple[Setting, ...] = (
             "bitwise the uncompiled engine's",
             metal="layers, as on the CPU and CUDA: it saves the host's work building a step, which "
             "every backend does; not measured on Metal",
-            cuda="layers (pass not yet measured on CUDA, the one device it serves). H100, "
-            "Llama-3.2-1B's shape in bf16: 1 request 377 to 412 tokens/s, 32 "
-            "requests 5,611 to 6,019; Qwen3-1.7B's shape: within the spread of five runs "
-            "(1 request 178-198 tokens/s against 153-203); logits bitwise",
+            cuda="layers. H100, Llama-3.2-1B's shape in bf16: 1 request 377 to 412 tokens/s, "
+            "32 requests 5,611 to 6,019; Qwen3-1.7B's shape: within the spread of five runs "
+            "(1 request 178-198 tokens/s against 153-203); logits bitwise. pass, on another "
+            "H100: layers' logits bit for bit, one row 1.83 against 2.13 ms a step in "
+            "process, but through the server 1 request 346-380 tokens/s against 310-413",
         ),
     ),
     Setting(
@@ -408,7 +409,10 @@ SETTINGS: tuple[Setting, ...] = (
             "5,282 without",
             metal="one process: not measured on Metal",
             cuda="one process: H200, Llama-3-8B's shape, 32 streams: 1,257 and 1,588 tokens/s "
-            "with the front, 1,649 and 1,388 without, within the rounds' spread",
+            "with the front, 1,649 and 1,388 without, within the rounds' spread. H100, "
+            "Llama-3.2-1B's shape, 32 streams: 3,784-5,481 with it (median 4,634, 9 rounds), "
+            "3,492-4,253 without (3,690, 12 rounds); one stream level; the routes it forwards "
+            "(agent APIs) not yet measured with it",
         ),
     ),
     Setting(
